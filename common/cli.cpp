@@ -1,0 +1,138 @@
+#include "cli.h"
+
+#include <cstdlib>
+#include <cerrno>
+#include <sstream>
+
+#include "host_data.h"
+
+namespace attn {
+
+AttentionShape default_shape() {
+  AttentionShape shape;
+  shape.batch = 4;
+  shape.heads_q = 16;
+  shape.heads_kv = 16;
+  shape.seqlen_q = 1024;
+  shape.seqlen_k = 1024;
+  shape.head_dim = 64;
+  return shape;
+}
+
+namespace {
+
+long long parse_integer(const std::string& option, const std::string& text, long long low,
+                        long long high) {
+  char* end = nullptr;
+  errno = 0;
+  long long value = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno != 0 || value < low || value > high) {
+    std::ostringstream s;
+    s << option << " needs a whole number from " << low << " to " << high << " (got '" << text
+      << "').";
+    throw InvalidInput(s.str());
+  }
+  return value;
+}
+
+float parse_float(const std::string& option, const std::string& text) {
+  char* end = nullptr;
+  float value = std::strtof(text.c_str(), &end);
+  if (text.empty() || *end != '\0')
+    throw InvalidInput(option + " needs a number (got '" + text + "').");
+  return value;
+}
+
+}  // namespace
+
+CliOptions parse_cli(const std::vector<std::string>& args) {
+  constexpr long long kMaxInt = 2147483647;
+  CliOptions cli;
+  cli.run.shape = default_shape();
+  bool heads_kv_given = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string option = args[i], value;
+    bool has_inline_value = false;
+    if (auto eq = option.find('='); option.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = option.substr(eq + 1);
+      option = option.substr(0, eq);
+      has_inline_value = true;
+    }
+    auto next = [&]() -> std::string {
+      if (has_inline_value) return value;
+      if (i + 1 >= args.size()) throw InvalidInput(option + " needs a value.");
+      return args[++i];
+    };
+    auto integer = [&](long long low) { return int(parse_integer(option, next(), low, kMaxInt)); };
+    AttentionShape& shape = cli.run.shape;
+    if (option == "-h" || option == "--help") cli.help = true;
+    else if (option == "--batch") shape.batch = integer(1);
+    else if (option == "--heads") shape.heads_q = integer(1);
+    else if (option == "--heads-kv") shape.heads_kv = integer(1), heads_kv_given = true;
+    else if (option == "--seqlen") shape.seqlen_q = shape.seqlen_k = integer(1);
+    else if (option == "--seqlen-q") shape.seqlen_q = integer(1);
+    else if (option == "--seqlen-k") shape.seqlen_k = integer(1);
+    else if (option == "--head-dim") shape.head_dim = integer(1);
+    else if (option == "--causal") shape.causal = true;
+    else if (option == "--scale") shape.scale = parse_float(option, next());
+    else if (option == "--q-scale") cli.run.q_scale = parse_float(option, next());
+    else if (option == "--seed") cli.run.seed = uint64_t(parse_integer(option, next(), 0, kMaxInt));
+    else if (option == "--no-check") cli.run.check = false;
+    else if (option == "--check-all") cli.run.check_all = true;
+    else if (option == "--no-bench") cli.run.bench = false;
+    else if (option == "--warmup") cli.run.timing.warmup = integer(0);
+    else if (option == "--iters") cli.run.timing.iters = integer(1);
+    else if (option == "--flush-l2") cli.run.timing.flush_l2 = true;
+    else if (option == "--csv") cli.format = OutputFormat::kCsv;
+    else if (option == "--json") cli.format = OutputFormat::kJson;
+    else if (option == "--save") cli.run.save_dir = next();
+    else throw InvalidInput("unknown option '" + args[i] + "'; --help lists the options.");
+  }
+  if (!heads_kv_given) cli.run.shape.heads_kv = cli.run.shape.heads_q;
+  if (!(cli.run.q_scale > 0.0f)) throw InvalidInput("--q-scale must be a positive number.");
+  return cli;
+}
+
+std::string usage(const ForwardChapter& chapter) {
+  const AttentionShape d = default_shape();
+  std::ostringstream s;
+  s << chapter.name << ": " << chapter.summary << "\n\n"
+    << "Runs the chapter's attention forward pass on random inputs, checks it against the Eigen\n"
+    << "CPU reference, then times it. Q, K, V, O are [batch, heads, seqlen, head_dim], "
+    << dtype_name(chapter.dtype) << ".\n\n"
+    << "Shape:\n"
+    << "  --batch N        sequences in the batch (default " << d.batch << ")\n"
+    << "  --heads N        query heads (default " << d.heads_q << ")\n"
+    << "  --heads-kv N     key/value heads; heads must be a multiple (default: = heads)\n"
+    << "  --seqlen N       query and key length (default " << d.seqlen_q << ")\n"
+    << "  --seqlen-q N     query length alone\n"
+    << "  --seqlen-k N     key/value length alone\n"
+    << "  --head-dim N     head dimension (this chapter:";
+  for (int hd : chapter.head_dims) s << " " << hd;
+  if (chapter.head_dims.empty()) s << " any up to 256";
+  s << "; default " << d.head_dim << ")\n"
+    << "  --causal         causal mask, aligned to the bottom-right corner when seqlen_q != seqlen_k\n"
+    << "  --scale F        softmax scale (default 1/sqrt(head_dim))\n"
+    << "Inputs:\n"
+    << "  --seed N         seed of the random inputs (default 1234)\n"
+    << "  --q-scale F      Q ~ Normal(0, F); 100 makes the logits large enough to overflow exp()\n"
+    << "                   without the max trick (default 1)\n"
+    << "Check:\n"
+    << "  --no-check       skip the comparison with the CPU reference\n"
+    << "  --check-all      check every (batch, head) pair; by default large problems check a\n"
+    << "                   sample of pairs, and the report says which\n"
+    << "Timing:\n"
+    << "  --no-bench       run and check only\n"
+    << "  --warmup N       untimed launches first (default 10)\n"
+    << "  --iters N        timed launches; the median is reported (default 50)\n"
+    << "  --flush-l2       overwrite the L2 cache before every timed launch\n"
+    << "Output:\n"
+    << "  --csv | --json   one machine-readable record instead of the report\n"
+    << "  --save DIR       write q, k, v, o, lse to DIR as float32 .npy files\n"
+    << "  -h, --help       this text\n\n"
+    << "Exit status: 0 pass, 1 check failed, 2 bad option or unsupported shape, 3 no usable GPU\n"
+    << "(none, too old, or out of memory), 4 CUDA error.\n";
+  return s.str();
+}
+
+}  // namespace attn

@@ -1,0 +1,79 @@
+#include "compare.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace attn {
+
+Comparison compare(const std::vector<float>& out, const std::vector<double>& ref,
+                   const Tolerance& tolerance, const std::function<std::string(size_t)>& where) {
+  constexpr size_t kMismatchesShown = 5;
+  Comparison c;
+  c.count = ref.size();
+  double err_sq = 0, ref_sq = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double o = out[i], r = ref[i];
+    double err;
+    bool ok;
+    if (std::isinf(r) && r < 0) {  // a row that sees no key: log-sum-exp must be -inf
+      err = (std::isinf(o) && o < 0) ? 0.0 : INFINITY;
+      ok = err == 0.0;
+    } else {
+      err = std::abs(o - r);
+      if (!std::isfinite(o)) ++c.nonfinite;
+      ok = std::isfinite(o) && err <= tolerance.atol + tolerance.rtol * std::abs(r);
+      err_sq += err * err;
+      ref_sq += r * r;
+    }
+    if (!std::isfinite(err)) err = INFINITY;
+    c.max_abs_err = std::max(c.max_abs_err, err);
+    if (!ok) {
+      ++c.failed;
+      if (c.mismatches.size() < kMismatchesShown) {
+        std::ostringstream s;
+        s << where(i) << " = " << o << ", expected " << r;
+        c.mismatches.push_back(s.str());
+      }
+    }
+  }
+  c.rel_err = c.nonfinite ? INFINITY : (ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : std::sqrt(err_sq));
+  c.passed = c.failed == 0 && c.rel_err <= tolerance.max_rel_norm;
+  return c;
+}
+
+namespace {
+double logit_factor(double max_abs_logit) { return std::max(1.0, max_abs_logit / 16.0); }
+std::string format_rule(const char* prefix, const Tolerance& t) {
+  std::ostringstream s;
+  s.precision(2);
+  s << prefix << " rel <= " << t.max_rel_norm << ", |err| <= " << t.atol << " + " << t.rtol
+    << "*|ref|";
+  return s.str();
+}
+}  // namespace
+
+Tolerance fp32_output_tolerance(double max_abs_logit) {
+  const double f = logit_factor(max_abs_logit);
+  Tolerance t{1e-5 * f, 1e-5 * f, 1e-4 * f, ""};
+  t.rule = format_rule("fp32:", t);
+  return t;
+}
+
+Tolerance bf16_output_tolerance(double plain_bf16_max_abs_err) {
+  Tolerance t{1e-2, 2.0 * plain_bf16_max_abs_err + 1e-5, 0.0, ""};
+  std::ostringstream s;
+  s.precision(2);
+  s << "bf16: |err| <= 2 x plain bf16 (" << plain_bf16_max_abs_err << ") + 1e-5, rel <= 1e-2";
+  t.rule = s.str();
+  return t;
+}
+
+Tolerance lse_tolerance(DType dtype, double max_abs_logit) {
+  const double f = logit_factor(max_abs_logit) * (dtype == DType::kF32 ? 1.0 : 10.0);
+  Tolerance t{1e-5 * f, 1e-5 * f, 1e-5 * f, ""};
+  t.rule = format_rule("lse:", t);
+  return t;
+}
+
+}  // namespace attn

@@ -1,0 +1,50 @@
+#include "device_buffer.h"
+
+#include <cstdio>
+#include <sstream>
+
+#include "cuda_check.h"
+
+namespace attn {
+namespace {
+size_t g_in_use = 0;
+size_t g_peak = 0;
+
+std::string gigabytes(size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f GB", bytes / 1e9);
+  return text;
+}
+}  // namespace
+
+size_t device_bytes_in_use() { return g_in_use; }
+size_t device_bytes_peak() { return g_peak; }
+void reset_device_bytes_peak() { g_peak = g_in_use; }
+
+void* device_allocate(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* ptr = nullptr;
+  cudaError_t status = cudaMalloc(&ptr, bytes);
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // clear the sticky-free error so later calls work
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    std::ostringstream s;
+    s << "out of device memory: this run needs another " << gigabytes(bytes) << " on top of "
+      << gigabytes(g_in_use) << ", and the GPU has " << gigabytes(free_bytes) << " free of "
+      << gigabytes(total_bytes) << "; try a smaller batch or sequence length.";
+    throw OutOfDeviceMemory(s.str());
+  }
+  CUDA_CHECK(status);
+  g_in_use += bytes;
+  if (g_in_use > g_peak) g_peak = g_in_use;
+  return ptr;
+}
+
+void device_free(void* ptr, size_t bytes) noexcept {
+  if (!ptr) return;
+  cudaFree(ptr);
+  g_in_use -= bytes;
+}
+
+}  // namespace attn

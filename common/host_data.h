@@ -1,0 +1,44 @@
+// Host-side data: deterministic random inputs, bf16 rounding, NaN poisoning, and the copies
+// between host float vectors and device buffers of either element type.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "chapter_api.h"
+#include "device_buffer.h"
+
+namespace attn {
+
+// Normal(0, stddev) samples from a counter-based generator: the same numbers on every machine and
+// standard library for a given seed and stream (std::normal_distribution differs between them).
+void fill_normal(std::vector<float>& values, uint64_t seed, uint64_t stream, float stddev);
+
+// bf16 keeps float's 8 exponent bits and 7 of its 23 mantissa bits; round to nearest even.
+uint16_t float_to_bf16_bits(float value);
+float bf16_bits_to_float(uint16_t bits);
+float round_to_bf16(float value);
+void round_to_bf16(std::vector<float>& values);
+
+// A device tensor stored in `dtype`, built from exactly the host values given (which must already
+// be representable: call round_to_bf16 first for bf16), or read back as float.
+class DeviceTensor {
+ public:
+  DeviceTensor(DType dtype, size_t count);
+  void upload(const std::vector<float>& values);
+  std::vector<float> download() const;
+  void poison();  // fill with NaN, so an element the kernel never writes fails the check
+  void* data() const { return bytes_.get(); }
+  size_t count() const { return count_; }
+  size_t bytes() const { return bytes_.bytes(); }
+
+ private:
+  DType dtype_;
+  size_t count_;
+  DeviceBuffer<unsigned char> bytes_;
+};
+
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+
+}  // namespace attn

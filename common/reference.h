@@ -1,0 +1,92 @@
+// CPU references computed with Eigen, accumulating in double. Every chapter is checked against
+// these; the tests check them against plain loops and finite differences first.
+//
+// Conventions (see docs/README.md): softmax scale `scale`; causal masks are bottom-right aligned,
+// so query row i sees key j when j <= i + seqlen_k - seqlen_q; a row that sees no key has output 0
+// and log-sum-exp -inf.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "shape.h"
+
+namespace attn {
+
+struct HeadIndex {
+  int batch;
+  int head;  // query head
+  bool operator==(const HeadIndex& other) const {
+    return batch == other.batch && head == other.head;
+  }
+};
+
+// Every (batch, query head) pair, in layout order.
+std::vector<HeadIndex> all_heads(const AttentionShape& shape);
+// Pairs to check on a large problem: the first and the last pair, plus pairs drawn at random
+// (seeded) until the reference would do about `mac_budget` multiply-adds. All pairs if they fit.
+std::vector<HeadIndex> sample_heads(const AttentionShape& shape, double mac_budget, uint64_t seed);
+
+// How the reference computes.
+enum class RefPrecision {
+  kDouble,     // every product and sum in double: the reference
+  kPlainBf16,  // what a plain bf16 implementation gets: float dot products, S rounded to bf16,
+               // softmax in float with P rounded to bf16, O = P V in float rounded to bf16
+};
+
+struct ForwardReference {
+  std::vector<HeadIndex> heads;  // the pairs computed, in this order
+  std::vector<double> o;         // [heads.size(), seqlen_q, head_dim]
+  std::vector<double> lse;       // [heads.size(), seqlen_q]
+  double max_abs_logit = 0;      // largest |scale * q.k| over the keys a row sees
+};
+
+// q, k, v in the layout of shape.h, as float values (already rounded to bf16 for bf16 chapters).
+ForwardReference reference_forward(const AttentionShape& shape, const std::vector<float>& q,
+                                   const std::vector<float>& k, const std::vector<float>& v,
+                                   const std::vector<HeadIndex>& heads,
+                                   RefPrecision precision = RefPrecision::kDouble);
+
+struct BackwardReference {
+  std::vector<double> dq;  // like q
+  std::vector<double> dk;  // like k: summed over the query heads of each group
+  std::vector<double> dv;  // like v
+};
+
+// Gradients of sum(dout * O) with respect to q, k, v, recomputing P from the inputs.
+BackwardReference reference_backward(const AttentionShape& shape, const std::vector<float>& q,
+                                     const std::vector<float>& k, const std::vector<float>& v,
+                                     const std::vector<float>& dout);
+
+// Decoding: one new query token per sequence against a cache of earlier keys and values.
+struct DecodeShape {
+  int batch = 1;
+  int heads_q = 1;
+  int heads_kv = 1;
+  int head_dim = 64;
+  int max_seqlen_k = 1;         // the cache's capacity per sequence
+  std::vector<int> seqlens_k;   // [batch]: how many cache entries each sequence uses (>= 0)
+  float scale = 0.0f;           // 0: 1/sqrt(head_dim)
+};
+
+struct DecodeReference {
+  std::vector<double> o;    // [batch, heads_q, head_dim]
+  std::vector<double> lse;  // [batch, heads_q]
+};
+
+// q: [batch, heads_q, head_dim]; k, v: [batch, heads_kv, max_seqlen_k, head_dim]. Entries at or
+// past seqlens_k[b] are never read.
+DecodeReference reference_decode(const DecodeShape& shape, const std::vector<float>& q,
+                                 const std::vector<float>& k_cache,
+                                 const std::vector<float>& v_cache);
+
+// The same, with keys and values in a pool of pages: k_pages, v_pages are
+// [num_pages, page_size, heads_kv, head_dim]; block_table is [batch, max_pages_per_seq] and names
+// the page that holds tokens [p * page_size, (p + 1) * page_size) of each sequence.
+DecodeReference reference_paged_decode(const DecodeShape& shape, const std::vector<float>& q,
+                                       const std::vector<float>& k_pages,
+                                       const std::vector<float>& v_pages, int page_size,
+                                       const std::vector<int>& block_table,
+                                       int max_pages_per_seq);
+
+}  // namespace attn

@@ -1,0 +1,62 @@
+#include "shape.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace attn {
+
+float AttentionShape::softmax_scale() const {
+  return scale != 0.0f ? scale : 1.0f / std::sqrt(float(head_dim));
+}
+
+std::string AttentionShape::describe() const {
+  std::ostringstream s;
+  s << "batch " << batch << ", heads " << heads_q << " (kv " << heads_kv << "), seqlen_q "
+    << seqlen_q << ", seqlen_k " << seqlen_k << ", head_dim " << head_dim << ", causal "
+    << (causal ? "yes" : "no") << ", scale " << softmax_scale();
+  return s.str();
+}
+
+double forward_flops(const AttentionShape& shape) {
+  double flops = 4.0 * shape.batch * shape.heads_q * double(shape.seqlen_q) * shape.seqlen_k *
+                 shape.head_dim;
+  return shape.causal ? flops / 2 : flops;
+}
+
+std::string validate(const AttentionShape& shape, const std::vector<int>& supported_head_dims) {
+  std::ostringstream why;
+  auto positive = [&](const char* name, int value) {
+    if (value < 1 && why.str().empty()) why << name << " must be at least 1 (got " << value << ").";
+  };
+  positive("batch", shape.batch);
+  positive("heads_q", shape.heads_q);
+  positive("heads_kv", shape.heads_kv);
+  positive("seqlen_q", shape.seqlen_q);
+  positive("seqlen_k", shape.seqlen_k);
+  positive("head_dim", shape.head_dim);
+  if (!why.str().empty()) return why.str();
+
+  if (shape.heads_q % shape.heads_kv != 0) {
+    why << "heads_q (" << shape.heads_q << ") must be a multiple of heads_kv (" << shape.heads_kv
+        << "): each key/value head serves a whole group of query heads.";
+    return why.str();
+  }
+  bool supported = supported_head_dims.empty() ? shape.head_dim <= 256 : false;
+  for (int d : supported_head_dims) supported = supported || d == shape.head_dim;
+  if (!supported) {
+    why << "head_dim " << shape.head_dim << " is not supported by this chapter (supported:";
+    if (supported_head_dims.empty()) why << " 1 to 256";
+    for (size_t i = 0; i < supported_head_dims.size(); ++i)
+      why << (i ? ", " : " ") << supported_head_dims[i];
+    why << ").";
+    return why.str();
+  }
+  if (!std::isfinite(shape.scale) || shape.scale < 0.0f) {
+    why << "scale must be a positive finite number, or 0 for 1/sqrt(head_dim) (got " << shape.scale
+        << ").";
+    return why.str();
+  }
+  return "";
+}
+
+}  // namespace attn

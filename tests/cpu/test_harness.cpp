@@ -1,0 +1,228 @@
+// The harness around the kernels: the online-softmax merge rule, the comparison (it must be able
+// to fail), the tolerance rules, shape validation, the command line, bf16 rounding, random inputs
+// and .npy output. Label `cpu`.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "compare.h"
+#include "host_data.h"
+#include "npy.h"
+#include "online_softmax.h"
+#include "shape.h"
+
+using namespace attn;
+
+namespace {
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+std::string where(size_t i) { return "x[" + std::to_string(i) + "]"; }
+}  // namespace
+
+TEST_CASE("merging partial softmax states in any grouping equals the direct softmax") {
+  // Logits spread over a wide range (the merge must rescale), values of dimension 3.
+  std::vector<double> logits = {3.0, -40.0, 95.0, 0.5, 95.0, -1e3, 12.0, 60.0, 7.0};
+  std::vector<std::vector<double>> values;
+  for (size_t j = 0; j < logits.size(); ++j) values.push_back({double(j), 1.0 - j, 0.25 * j * j});
+
+  const double m = 95.0;
+  double sum = 0;
+  std::vector<double> direct(3, 0.0);
+  for (size_t j = 0; j < logits.size(); ++j) sum += std::exp(logits[j] - m);
+  for (size_t j = 0; j < logits.size(); ++j)
+    for (int c = 0; c < 3; ++c) direct[c] += std::exp(logits[j] - m) / sum * values[j][c];
+
+  for (size_t chunk : {size_t(1), size_t(2), size_t(4), size_t(9)}) {
+    CAPTURE(chunk);
+    // Left to right in chunks of `chunk` keys, each chunk merged key by key first.
+    SoftmaxPartial total;
+    for (size_t start = 0; start < logits.size(); start += chunk) {
+      SoftmaxPartial part;
+      for (size_t j = start; j < std::min(logits.size(), start + chunk); ++j)
+        part = merge(part, single_key(logits[j], values[j]));
+      total = merge(total, part);
+    }
+    CHECK(total.max == m);
+    CHECK(total.sum == doctest::Approx(sum).epsilon(1e-14));
+    CHECK(log_sum_exp(total) == doctest::Approx(m + std::log(sum)).epsilon(1e-14));
+    const auto out = finish(total);
+    for (int c = 0; c < 3; ++c) CHECK(out[c] == doctest::Approx(direct[c]).epsilon(1e-13));
+  }
+  // Merging is symmetric.
+  const SoftmaxPartial a = merge(single_key(1.0, {1, 2, 3}), single_key(-2.0, {4, 5, 6}));
+  const SoftmaxPartial b = single_key(5.0, {7, 8, 9});
+  const SoftmaxPartial ab = merge(a, b), ba = merge(b, a);
+  CHECK(ab.max == ba.max);
+  CHECK(ab.sum == doctest::Approx(ba.sum).epsilon(1e-15));
+}
+
+TEST_CASE("a state that has seen no key is the identity of the merge, never NaN") {
+  const SoftmaxPartial empty;
+  const SoftmaxPartial one = single_key(-3.0, {2.0});
+  const SoftmaxPartial merged = merge(empty, one);
+  CHECK(merged.max == -3.0);
+  CHECK(merged.sum == 1.0);
+  CHECK(finish(merged)[0] == 2.0);
+  const SoftmaxPartial nothing = merge(empty, empty);
+  CHECK(nothing.max == kNegInf);
+  CHECK(nothing.sum == 0.0);
+  CHECK(log_sum_exp(nothing) == kNegInf);
+  CHECK(finish(SoftmaxPartial{kNegInf, 0.0, {0.0, 0.0}}) == std::vector<double>{0.0, 0.0});
+}
+
+TEST_CASE("the comparison passes an exact answer and fails a wrong one") {
+  const std::vector<double> ref = {0.5, -1.25, 3.0, kNegInf};
+  std::vector<float> out = {0.5f, -1.25f, 3.0f, -INFINITY};
+  const Tolerance tol = fp32_output_tolerance(1.0);
+  CHECK(compare(out, ref, tol, where).passed);
+
+  SUBCASE("one element off by 100 x the tolerance") {
+    out[2] += 100 * float(tol.atol + tol.rtol * 3.0);
+    const Comparison c = compare(out, ref, tol, where);
+    CHECK_FALSE(c.passed);
+    CHECK(c.failed == 1);
+    REQUIRE(c.mismatches.size() == 1);
+    CHECK(c.mismatches[0].rfind("x[2]", 0) == 0);
+  }
+  SUBCASE("a NaN, as an element the kernel never wrote would be") {
+    out[1] = NAN;
+    const Comparison c = compare(out, ref, tol, where);
+    CHECK_FALSE(c.passed);
+    CHECK(c.nonfinite == 1);
+    CHECK(std::isinf(c.rel_err));
+  }
+  SUBCASE("a finite log-sum-exp where the row sees no key") {
+    out[3] = 0.0f;
+    CHECK_FALSE(compare(out, ref, tol, where).passed);
+  }
+  SUBCASE("a small error everywhere, inside each element's bound but not the norm-wise one") {
+    Tolerance strict = tol;
+    strict.max_rel_norm = 1e-9;
+    for (float& x : out)
+      if (std::isfinite(x)) x *= 1.0f + 1e-6f;
+    CHECK_FALSE(compare(out, ref, strict, where).passed);
+  }
+}
+
+TEST_CASE("tolerance rules") {
+  CHECK(fp32_output_tolerance(1.0).max_rel_norm == doctest::Approx(1e-5));
+  // Large logits widen the fp32 bound in proportion (see compare.h for why).
+  CHECK(fp32_output_tolerance(320.0).max_rel_norm == doctest::Approx(2e-4));
+  const Tolerance b = bf16_output_tolerance(0.004);
+  CHECK(b.atol == doctest::Approx(0.008 + 1e-5));
+  CHECK(b.max_rel_norm == doctest::Approx(1e-2));
+  CHECK(lse_tolerance(DType::kBF16, 1.0).atol > lse_tolerance(DType::kF32, 1.0).atol);
+}
+
+TEST_CASE("shape validation says what is wrong in one sentence") {
+  AttentionShape s;
+  s.head_dim = 64;
+  CHECK(validate(s, {64, 128}) == "");
+  s.heads_q = 6;
+  s.heads_kv = 4;
+  CHECK(validate(s, {64}).find("multiple of heads_kv") != std::string::npos);
+  s.heads_kv = 3;
+  s.head_dim = 96;
+  CHECK(validate(s, {64, 128}) == "head_dim 96 is not supported by this chapter (supported: 64, 128).");
+  CHECK(validate(s, {}) == "");
+  s.head_dim = 257;
+  CHECK(validate(s, {}).find("not supported") != std::string::npos);
+  s.head_dim = 64;
+  s.seqlen_k = 0;
+  CHECK(validate(s, {}) == "seqlen_k must be at least 1 (got 0).");
+  s.seqlen_k = 5;
+  s.scale = -1.0f;
+  CHECK(validate(s, {}).find("scale") != std::string::npos);
+}
+
+TEST_CASE("flops: 4 B H Sq Sk D, halved for causal") {
+  AttentionShape s;
+  s.batch = 2;
+  s.heads_q = 3;
+  s.seqlen_q = 5;
+  s.seqlen_k = 7;
+  s.head_dim = 11;
+  CHECK(forward_flops(s) == 4.0 * 2 * 3 * 5 * 7 * 11);
+  s.causal = true;
+  CHECK(forward_flops(s) == 2.0 * 2 * 3 * 5 * 7 * 11);
+}
+
+TEST_CASE("command line") {
+  CliOptions c = parse_cli({});
+  CHECK(c.run.shape.batch == default_shape().batch);
+  CHECK(c.run.check);
+  CHECK(c.run.bench);
+  c = parse_cli({"--heads", "8", "--seqlen=100", "--seqlen-k", "300", "--causal", "--csv"});
+  CHECK(c.run.shape.heads_q == 8);
+  CHECK(c.run.shape.heads_kv == 8);  // follows --heads unless given
+  CHECK(c.run.shape.seqlen_q == 100);
+  CHECK(c.run.shape.seqlen_k == 300);
+  CHECK(c.run.shape.causal);
+  CHECK(c.format == OutputFormat::kCsv);
+  c = parse_cli({"--heads", "8", "--heads-kv", "2", "--no-check", "--iters", "7"});
+  CHECK(c.run.shape.heads_kv == 2);
+  CHECK_FALSE(c.run.check);
+  CHECK(c.run.timing.iters == 7);
+  CHECK_THROWS_AS(parse_cli({"--batch", "0"}), InvalidInput);
+  CHECK_THROWS_AS(parse_cli({"--batch", "two"}), InvalidInput);
+  CHECK_THROWS_AS(parse_cli({"--seqlen"}), InvalidInput);
+  CHECK_THROWS_AS(parse_cli({"--frobnicate"}), InvalidInput);
+  CHECK_THROWS_AS(parse_cli({"--q-scale", "0"}), InvalidInput);
+}
+
+TEST_CASE("bf16 rounding is round-to-nearest-even on the 8th mantissa bit") {
+  CHECK(round_to_bf16(1.0f) == 1.0f);
+  CHECK(round_to_bf16(1.0f + 1.0f / 256) == 1.0f);                  // tie, rounds to even
+  CHECK(round_to_bf16(1.0f + 3.0f / 256) == 1.0f + 4.0f / 256);     // tie, rounds to even
+  CHECK(round_to_bf16(1.0f + 1.0f / 256 + 1.0f / 4096) == 1.0f + 2.0f / 256);  // above the tie
+  CHECK(round_to_bf16(-2.5f) == -2.5f);
+  CHECK(std::isnan(round_to_bf16(NAN)));
+  CHECK(std::isinf(round_to_bf16(INFINITY)));
+}
+
+TEST_CASE("random inputs are reproducible, differ by seed and stream, and are not zeros") {
+  std::vector<float> a(10001), b(10001), c(10001), d(10001);
+  fill_normal(a, 42, 0, 1.0f);
+  fill_normal(b, 42, 0, 1.0f);
+  fill_normal(c, 43, 0, 1.0f);
+  fill_normal(d, 42, 1, 1.0f);
+  CHECK(a == b);
+  CHECK(a != c);
+  CHECK(a != d);
+  double mean = 0, sq = 0;
+  int zeros = 0;
+  for (float x : a) mean += x, sq += double(x) * x, zeros += x == 0.0f;
+  mean /= a.size();
+  CHECK(std::abs(mean) < 0.05);
+  CHECK(std::sqrt(sq / a.size()) == doctest::Approx(1.0).epsilon(0.05));
+  CHECK(zeros == 0);
+}
+
+TEST_CASE(".npy files carry a 64-byte aligned header, the shape and the data") {
+  const std::string path = "test_harness_out.npy";
+  const std::vector<float> values = {1.5f, -2.0f, 3.25f, 0.0f, 5.0f, 6.0f};
+  save_npy(path, values, {2, 3});
+  std::ifstream file(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  REQUIRE(bytes.size() > 10);
+  CHECK(bytes.substr(1, 5) == "NUMPY");
+  const size_t header_len = size_t((unsigned char)bytes[8]) | size_t((unsigned char)bytes[9]) << 8;
+  CHECK((10 + header_len) % 64 == 0);
+  const std::string header = bytes.substr(10, header_len);
+  CHECK(header.find("'descr': '<f4'") != std::string::npos);
+  CHECK(header.find("'shape': (2,3)") != std::string::npos);
+  CHECK(bytes.size() == 10 + header_len + values.size() * 4);
+  float last;
+  std::memcpy(&last, bytes.data() + bytes.size() - 4, 4);
+  CHECK(last == 6.0f);
+  std::remove(path.c_str());
+}

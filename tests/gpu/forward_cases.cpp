@@ -1,0 +1,90 @@
+#include "forward_cases.h"
+
+#include <sstream>
+
+namespace attn::test {
+namespace {
+
+// The head dims a chapter is tested at: its own list, or two common ones when it takes any.
+std::vector<int> tested_head_dims(const ForwardChapter& chapter) {
+  return chapter.head_dims.empty() ? std::vector<int>{64, 128} : chapter.head_dims;
+}
+
+}  // namespace
+
+std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
+  std::vector<ForwardCase> cases;
+  uint64_t seed = 1;
+  auto add = [&](AttentionShape shape, float q_scale = 1.0f, bool expect_pass = true) {
+    ForwardCase c;
+    c.options.shape = shape;
+    c.options.seed = seed++;
+    c.options.q_scale = q_scale;
+    c.options.bench = false;
+    c.expect_pass = expect_pass;
+    std::ostringstream name;
+    name << shape.describe() << (q_scale != 1.0f ? ", q_scale " : "");
+    if (q_scale != 1.0f) name << q_scale;
+    c.name = name.str();
+    cases.push_back(c);
+  };
+  const int square_lengths[] = {1, 17, 33, 63, 64, 65, 127, 129, 1000};
+  const int uneven_lengths[][2] = {{1, 129}, {129, 1}, {17, 63}, {65, 1000}, {1000, 65}, {127, 64}};
+  for (int head_dim : tested_head_dims(chapter)) {
+    for (bool causal : {false, true}) {
+      AttentionShape shape;
+      shape.batch = 2;
+      shape.heads_q = 3;
+      shape.heads_kv = 3;
+      shape.head_dim = head_dim;
+      shape.causal = causal;
+      for (int n : square_lengths) {
+        shape.seqlen_q = shape.seqlen_k = n;
+        add(shape);
+      }
+      for (auto [sq, sk] : uneven_lengths) {
+        shape.seqlen_q = sq;
+        shape.seqlen_k = sk;
+        add(shape);
+      }
+      // Grouped-query attention: 8 query heads over 8, 2 and 1 key/value heads.
+      for (int heads_kv : {8, 2, 1}) {
+        AttentionShape gqa = shape;
+        gqa.heads_q = 8;
+        gqa.heads_kv = heads_kv;
+        gqa.seqlen_q = 97;
+        gqa.seqlen_k = 161;
+        add(gqa);
+      }
+      // Logits of several hundred: exp() overflows float unless the row max is subtracted.
+      AttentionShape large = shape;
+      large.seqlen_q = large.seqlen_k = 200;
+      add(large, 100.0f, chapter.survives_large_logits);
+    }
+  }
+  // More (batch, head) pairs than gridDim.y or gridDim.z can hold.
+  AttentionShape many;
+  many.batch = 2100;
+  many.heads_q = 32;
+  many.heads_kv = 8;
+  many.seqlen_q = 3;
+  many.seqlen_k = 5;
+  many.head_dim = tested_head_dims(chapter).front();
+  add(many);
+  return cases;
+}
+
+RunReport run_case(const ForwardChapter& chapter, const ForwardCase& c) {
+  return run_forward(chapter, c.options);
+}
+
+std::string describe_failure(const RunReport& r) {
+  std::ostringstream s;
+  s << "O max abs err " << r.o.max_abs_err << " rel " << r.o.rel_err << " [" << r.o_tolerance.rule
+    << "]; LSE max abs err " << r.lse.max_abs_err << " [" << r.lse_tolerance.rule << "]";
+  for (const auto& m : r.o.mismatches) s << "; " << m;
+  for (const auto& m : r.lse.mismatches) s << "; " << m;
+  return s.str();
+}
+
+}  // namespace attn::test

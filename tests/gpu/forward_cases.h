@@ -1,0 +1,30 @@
+// The edge-case matrix every forward chapter is tested over (CONVENTIONS.md, "Tests").
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "chapter_api.h"
+#include "runner.h"
+
+namespace attn::test {
+
+struct ForwardCase {
+  std::string name;
+  RunOptions options;
+  bool expect_pass = true;  // false only where the chapter's lesson is the failure (01, overflow)
+};
+
+// Sequence lengths that are not multiples of any tile (and some that are, and their neighbours),
+// seqlen_q != seqlen_k both ways, causal and not, every supported head_dim, GQA group sizes
+// 1, 4 and 8, logits large enough to overflow exp() without the max trick, and batch * heads above
+// 65535 (the limit of gridDim.y and gridDim.z). Every case draws fresh inputs from its own seed.
+std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter);
+
+// Runs one case through the same runner as the chapter binary (check on, timing off).
+RunReport run_case(const ForwardChapter& chapter, const ForwardCase& c);
+
+// One line for a failed case: shape, errors, first mismatches.
+std::string describe_failure(const RunReport& report);
+
+}  // namespace attn::test

@@ -1,0 +1,69 @@
+// The GPU test of one forward chapter. CMake compiles this file once per chapter, with the
+// chapter's folder on the include path and its namespace in CHAPTER_NAMESPACE. Without a usable GPU
+// the program exits with 77, which CTest reports as skipped (never as passed).
+#include "attention.cuh"
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+
+#include "forward_cases.h"
+
+namespace {
+
+attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
+
+}  // namespace
+
+TEST_CASE("forward pass matches the Eigen reference over the edge-case matrix") {
+  const attn::ForwardChapter chapter = the_chapter();
+  for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
+    INFO(chapter.name << ": " << c.name);
+    const attn::RunReport report = attn::test::run_case(chapter, c);
+    if (c.expect_pass) {
+      CHECK_MESSAGE(report.passed, attn::test::describe_failure(report));
+    } else {
+      // The naive softmax overflows: this failure is the lesson of chapter 01.
+      CHECK_MESSAGE(!report.passed, "expected exp() to overflow without the max trick");
+    }
+  }
+}
+
+TEST_CASE("a head_dim the chapter does not support is refused with a sentence") {
+  const attn::ForwardChapter chapter = the_chapter();
+  attn::RunOptions options;
+  options.shape.head_dim = chapter.head_dims.empty() ? 300 : 96;
+  options.bench = false;
+  CHECK_THROWS_AS(attn::run_forward(chapter, options), attn::InvalidInput);
+}
+
+TEST_CASE("two runs with the same seed give the same answer, another seed another answer") {
+  // Catches results that depend on leftovers in device memory or on scheduling (races).
+  const attn::ForwardChapter chapter = the_chapter();
+  attn::RunOptions options;
+  options.shape.batch = 2;
+  options.shape.heads_q = options.shape.heads_kv = 4;
+  options.shape.seqlen_q = options.shape.seqlen_k = 300;
+  options.shape.head_dim = chapter.head_dims.empty() ? 64 : chapter.head_dims.back();
+  options.bench = false;
+  const attn::RunReport first = attn::run_forward(chapter, options);
+  const attn::RunReport second = attn::run_forward(chapter, options);
+  options.seed += 1;
+  const attn::RunReport other = attn::run_forward(chapter, options);
+  CHECK(first.passed);
+  CHECK(first.o.max_abs_err == second.o.max_abs_err);
+  CHECK(first.o.rel_err == second.o.rel_err);
+  CHECK(other.passed);
+  CHECK(first.o.rel_err != other.o.rel_err);
+}
+
+int main(int argc, char** argv) {
+  const attn::ForwardChapter chapter = the_chapter();
+  if (std::string why = attn::device_problem(chapter.min_compute_capability); !why.empty()) {
+    std::printf("SKIPPED %s: %s\n", chapter.name, why.c_str());
+    return 77;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
