@@ -1,0 +1,449 @@
+// Chapter 09: causal attention that skips what the mask hides. Chapter 08's kernel, changed in
+// three places that only matter when work differs between blocks:
+//
+//   1. Blocks of keys entirely above the diagonal are never loaded or computed: the key loop of a
+//      query block stops after the last key its bottom row can see.
+//   2. The element mask runs only on the blocks that the diagonal (or the end of the keys) cuts;
+//      the blocks below it are visible to every row and skip the compares.
+//   3. The longest query blocks start first (kLongestFirst), so short ones fill in at the end.
+//
+//   keys ->  0   1   2   3   4   5   6   7        (seqlen_q = seqlen_k, 8 blocks of each)
+//   q 0     [m]  .   .   .   .   .   .   .        m  masked block: diagonal inside
+//   q 1     [f] [m]  .   .   .   .   .   .        f  full block: no mask
+//   q 2     [f] [f] [m]  .   .   .   .   .        .  skipped: never loaded
+//   ...
+//   q 7     [f] [f] [f] [f] [f] [f] [f] [m]      8 + 7 + ... + 1 = 36 of 64 blocks run
+//
+// With seqlen_q != seqlen_k the diagonal moves to the bottom-right corner (query i sees keys up
+// to i + seqlen_k - seqlen_q); rows above the first key then see nothing and output 0.
+//
+// Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
+// them in registers. Each warp owns 32 query rows of the block (FlashAttention-2's split of Q
+// across warps: no warp needs another's results), as two 16-row MMA tiles:
+//
+//   block of 128 query rows                          K_j, V_j: 64 keys, in shared memory
+//   +-------------------+
+//   | warp 0: rows 0-31 |  S = Q K^T  (32 x 64, fp32 accumulators in registers)
+//   | warp 1: rows 32-63|  online softmax on those registers (quad shuffles for max and sum)
+//   | warp 2: rows 64-95|  P -> bf16, packed straight into A fragments
+//   | warp 3: rows 96-127| O += P V   (32 x head_dim, fp32 accumulators in registers)
+//   +-------------------+
+//
+// Fragments of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"). Lane = 4 g + t
+// (g = lane / 4 picks a row, t = lane % 4 a pair of columns); each register holds two bf16.
+//
+//   A 16x16 (row-major)             B 16x8 (k x n)              C/D 16x8 (fp32)
+//   a0: row g,   cols 2t, 2t+1      b0: k 2t, 2t+1,   col g     c0, c1: row g,   cols 2t, 2t+1
+//   a1: row g+8, cols 2t, 2t+1      b1: k 2t+8, 2t+9, col g     c2, c3: row g+8, cols 2t, 2t+1
+//   a2: row g,   cols 2t+8, 2t+9
+//   a3: row g+8, cols 2t+8, 2t+9
+//
+//   S = Q K^T:  A = Q rows, k = head_dim.  B column n = key n, so b0 is two neighbouring head_dim
+//               elements of one K row.
+//   O = P V:    A = P. The C layout of two neighbouring S tiles (keys 0-7 and 8-15) is exactly
+//               the A layout for keys 0-15: a0 = (c0, c1) of the first, a1 = (c2, c3), a2, a3 the
+//               same of the second. P never leaves the registers.
+//               B = V with k = key: b0 is (V[2t][g], V[2t+1][g]), two rows apart.
+//
+// ldmatrix.x4 loads four 8x8 bf16 matrices for the whole warp in one instruction: lanes 8i..8i+7
+// each give the address of one 16-byte row of matrix i, and afterwards register i of lane 4g + t
+// holds row g, columns 2t and 2t+1 of matrix i: the fragment layout above. So one ldmatrix.x4 is
+// one whole A fragment (its four 8x8 quarters), or the B fragments of two neighbouring n-tiles.
+// With .trans each 8x8 matrix arrives transposed: lane 4g + t gets rows 2t, 2t+1 of column g,
+// exactly V's b0 without any 16-bit loads. Per 16x16 fragment that is 1 instruction instead of 4
+// (A, K) or 8 (V), and each moves 512 bytes instead of 128 or 64.
+//
+// So a thread holds two rows (g and g + 8) of each 16-row tile, and every row is spread over the
+// 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
+//
+// Loads: cp.async, double-buffered (above). Rows past the end of Q or K/V are zero-filled by the
+// copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "chapter_api.h"
+#include "cuda_check.h"
+
+namespace ch09 {
+
+using attn::AttentionShape;
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;            // mma.sync.m16n8k16
+constexpr int kMTiles = 2;                                  // 16-row MMA tiles per warp
+constexpr int kBlockM = kWarps * kMTiles * kMmaM;           // 128 query rows per block
+constexpr int kBlockN = 64;                                 // keys per iteration
+// Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16
+// bytes at the same column: with rows of 64 or 128 bf16 (a multiple of 128 bytes) all 8 would
+// start in the same bank and be served one after another. 16 more bytes per row move row r by
+// 4 r banks, so the 8 rows of 4 banks each cover all 32 banks. The rows must stay 16-byte
+// aligned for ldmatrix, so 16 is also the smallest padding that works.
+constexpr int kPad = 8;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+constexpr int kStages = 2;  // shared-memory buffers for K and V: one in use, one being filled
+// Causal query blocks differ in work: the last sees every key, the first only its diagonal.
+// Blocks start roughly in index order, so hand out the longest first: the short ones then fill
+// the gaps at the end, instead of one long block starting when the rest are done.
+constexpr bool kLongestFirst = true;
+
+template <int kHeadDim>
+struct Smem {
+  static constexpr int kStride = kHeadDim + kPad;  // bf16 per shared-memory row
+  static constexpr size_t kBytes =
+      size_t(kBlockM + kStages * 2 * kBlockN) * kStride * sizeof(bf16);
+};
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+// ---------------------------------------------------------------------------------------------
+
+// D += A B on the tensor cores: one warp, a 16x16 bf16 A, a 16x8 bf16 B, a 16x8 fp32 D.
+__device__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two bf16 as one register, `low` in the low half (the lower k index).
+__device__ uint32_t pack(float low, float high) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// Four 8x8 bf16 matrices from shared memory; `row` is this lane's row address (see the top).
+__device__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* row) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// A fragment: rows [row0, row0 + 16), columns [col0, col0 + 16) of a row-major tile. Lane
+// 8i + r points at row r of quarter i: quarters 0, 1 are rows 0-7, 8-15 at columns 0-7; quarters
+// 2, 3 the same at columns 8-15 (the order of a0..a3).
+__device__ void load_a(uint32_t (&a)[4], const bf16* tile, int stride, int row0, int col0,
+                       int lane) {
+  const int quarter = lane / 8, r = lane % 8;
+  ldmatrix_x4(a, tile + (row0 + r + 8 * (quarter % 2)) * stride + col0 + 8 * (quarter / 2));
+}
+
+// B fragments of two n-tiles whose column n is row row0 + n of the tile (K for S = Q K^T), k =
+// columns col0 .. col0 + 15: b[0] = (b0, b1) for rows row0..row0 + 7, b[1] for the next 8 rows.
+__device__ void load_b_rows(uint32_t (&b)[2][2], const bf16* tile, int stride, int row0, int col0,
+                            int lane) {
+  const int quarter = lane / 8, r = lane % 8;
+  uint32_t regs[4];
+  ldmatrix_x4(regs, tile + (row0 + r + 8 * (quarter / 2)) * stride + col0 + 8 * (quarter % 2));
+  b[0][0] = regs[0], b[0][1] = regs[1], b[1][0] = regs[2], b[1][1] = regs[3];
+}
+
+// B fragments of two n-tiles whose k runs down the rows of the tile (V for O = P V): k = rows
+// row0 .. row0 + 15, columns col0 .. col0 + 7 for b[0] and the next 8 for b[1]. The transposing
+// load turns each 8x8 block of V into the k-pairs the fragment wants.
+__device__ void load_b_columns(uint32_t (&b)[2][2], const bf16* tile, int stride, int row0,
+                               int col0, int lane) {
+  const int quarter = lane / 8, r = lane % 8;
+  uint32_t regs[4];
+  ldmatrix_x4_trans(regs, tile + (row0 + r + 8 * (quarter % 2)) * stride + col0 + 8 * (quarter / 2));
+  b[0][0] = regs[0], b[0][1] = regs[1], b[1][0] = regs[2], b[1][1] = regs[3];
+}
+
+// Starts a 16-byte copy from device to shared memory. With `valid` false it reads nothing and
+// writes 16 zero bytes (the source size operand is 0); the address must still be a real one.
+__device__ void cp_async_16(bf16* shared_dst, const bf16* global_src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+// Closes the group of copies started since the last commit.
+__device__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` committed groups are still in flight.
+template <int kPending>
+__device__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Max and sum over the 4 lanes of a quad, which share a row of every fragment.
+__device__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(kFullWarp, x, 1));
+  return fmaxf(x, __shfl_xor_sync(kFullWarp, x, 2));
+}
+__device__ float quad_sum(float x) {
+  x += __shfl_xor_sync(kFullWarp, x, 1);
+  return x + __shfl_xor_sync(kFullWarp, x, 2);
+}
+
+// Starts copying rows [row0, row0 + kRows) of a [rows_total][kHeadDim] bf16 matrix into a padded
+// shared tile, 16 bytes (8 bf16) per copy; rows past the end become zeros. Each pass of the block
+// covers kRowsPerPass whole rows, so a thread's copies sit at constant offsets from its first.
+template <int kRows, int kHeadDim>
+__device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int rows_total) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static_assert(kRows % kRowsPerPass == 0, "tile must divide evenly among threads");
+  const int r = threadIdx.x / kChunksPerRow, c = threadIdx.x % kChunksPerRow * 8;
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const int row = r + pass * kRowsPerPass;
+    const bool valid = row0 + row < rows_total;
+    const int src_row = valid ? row0 + row : rows_total - 1;  // a real address even when unused
+    cp_async_16(tile + row * Smem<kHeadDim>::kStride + c, src + int64_t(src_row) * kHeadDim + c,
+                valid);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel
+// ---------------------------------------------------------------------------------------------
+
+// Block b handles query block b % num_q_blocks of (batch, head) = b / num_q_blocks (as chapter 05).
+template <int kHeadDim>
+__global__ void __launch_bounds__(kThreads)
+    flash_tc_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
+                    AttentionShape shape, float scale_log2) {
+  constexpr int kStride = Smem<kHeadDim>::kStride;
+  constexpr int kSTiles = kBlockN / kMmaN;      // S: 8 tiles of 8 keys
+  constexpr int kOTiles = kHeadDim / kMmaN;     // O: 8 or 16 tiles of 8 columns
+  constexpr int kSSteps = kHeadDim / kMmaK;     // S = Q K^T: k runs over head_dim
+  constexpr int kOSteps = kBlockN / kMmaK;      // O = P V: k runs over the block's keys
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* q_tile = reinterpret_cast<bf16*>(smem);  // [kBlockM][kStride]
+  // Stage i: K at kv_tiles + i * 2 * kBlockN * kStride, its V right after it.
+  bf16* kv_tiles = q_tile + kBlockM * kStride;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int num_q_blocks = (shape.seqlen_q + kBlockM - 1) / kBlockM;
+  const int q_block = kLongestFirst ? num_q_blocks - 1 - int(blockIdx.x % num_q_blocks)
+                                    : int(blockIdx.x % num_q_blocks);
+  const int64_t batch_head = blockIdx.x / num_q_blocks;
+  const int64_t batch = batch_head / shape.heads_q;
+  const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
+  const int64_t q_row0 = batch_head * shape.seqlen_q;
+  const bf16* k_head = k + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
+  const bf16* v_head = v + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
+  const int q_start = q_block * kBlockM;
+  const int warp_row0 = warp * kMTiles * kMmaM;  // this warp's first row within the block
+
+  auto k_tile = [&](int stage) { return kv_tiles + stage * 2 * kBlockN * kStride; };
+  auto v_tile = [&](int stage) { return k_tile(stage) + kBlockN * kStride; };
+  auto load_kv = [&](int kv_block, int stage) {
+    load_tile_async<kBlockN, kHeadDim>(k_tile(stage), k_head, kv_block * kBlockN, shape.seqlen_k);
+    load_tile_async<kBlockN, kHeadDim>(v_tile(stage), v_head, kv_block * kBlockN, shape.seqlen_k);
+  };
+
+  // The key loop ends after the last key the block's bottom row sees (its diagonal, bottom-right
+  // aligned); blocks of keys that every row sees completely need no mask.
+  const int q_last = min(q_start + kBlockM, shape.seqlen_q) - 1;
+  const int kv_end = shape.causal
+                         ? max(0, min(shape.seqlen_k, q_last + shape.causal_offset() + 1))
+                         : shape.seqlen_k;
+  const int num_kv_blocks = (kv_end + kBlockN - 1) / kBlockN;
+  const int unmasked_end = shape.causal ? min(shape.seqlen_k, q_start + shape.causal_offset() + 1)
+                                        : shape.seqlen_k;
+  const int num_unmasked_blocks = max(0, unmasked_end) / kBlockN;
+
+  // Prologue: Q and the first K, V in one group.
+  load_tile_async<kBlockM, kHeadDim>(q_tile, q + q_row0 * kHeadDim, q_start, shape.seqlen_q);
+  if (num_kv_blocks > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  // Per thread: rows g and g + 8 of each of its kMTiles tiles ([mt][half]).
+  float o_acc[kMTiles][kOTiles][4] = {};
+  float row_max[kMTiles][2], row_sum[kMTiles][2];
+  for (int mt = 0; mt < kMTiles; ++mt)
+    for (int half = 0; half < 2; ++half) row_max[mt][half] = -INFINITY, row_sum[mt][half] = 0.0f;
+
+  for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
+    const int kv_start = kv_block * kBlockN;
+    const int stage = kv_block % kStages;
+    // Start the copy of the next block into the other buffer, then wait for this block's copy:
+    // at most one group (the one just started) may still be in flight. The last iteration
+    // commits an empty group so that the count stays the same.
+    if (kv_block + 1 < num_kv_blocks) load_kv(kv_block + 1, (kv_block + 1) % kStages);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // every thread's copies of this block have landed
+    const bool masked = kv_block >= num_unmasked_blocks;  // the same for the whole block
+
+    // S = Q K^T for this warp's 32 rows and the block's 64 keys. Every K fragment feeds both
+    // row tiles: loading it once for two MMAs halves the shared-memory traffic per MMA.
+    float s[kMTiles][kSTiles][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kSSteps; ++ks) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+        load_a(a[mt], q_tile, kStride, warp_row0 + mt * kMmaM, ks * kMmaK, lane);
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; nt += 2) {
+        uint32_t b[2][2];
+        load_b_rows(b, k_tile(stage), kStride, nt * kMmaN, ks * kMmaK, lane);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816(s[mt][nt], a[mt], b[0]);
+          mma_16816(s[mt][nt + 1], a[mt], b[1]);
+        }
+      }
+    }
+
+    // Online softmax on the accumulators, in the base-2 domain: exp(x) = exp2(x * log2 e), and
+    // the scale is folded into the same multiply, so p = exp2(s * scale_log2 - m * scale_log2).
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // This thread's scores are at keys kv_start + 2t + (nt * 8 + e). Those at or past the
+        // row's end (the last key, or the causal diagonal) are masked: one compare against a
+        // compile-time constant each.
+        const int query = q_start + warp_row0 + mt * kMmaM + g + 8 * half;
+        const int row_end = shape.causal ? min(shape.seqlen_k, query + shape.causal_offset() + 1)
+                                         : shape.seqlen_k;
+        const int limit = row_end - kv_start - 2 * t;
+        float block_max = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& score = s[mt][nt][2 * half + e];
+            if (masked && nt * kMmaN + e >= limit) score = -INFINITY;
+            block_max = fmaxf(block_max, score);
+          }
+        }
+        const float m_new = fmaxf(row_max[mt][half], quad_max(block_max));
+        // A row with every key so far masked keeps m = -inf; subtracting 0 instead gives
+        // exp2(-inf) = 0 for its masked scores rather than exp2(-inf + inf) = NaN.
+        const float m_scaled = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
+        const float alpha = exp2f(row_max[mt][half] * scale_log2 - m_scaled);
+        row_max[mt][half] = m_new;
+        float block_sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& score = s[mt][nt][2 * half + e];
+            score = exp2f(score * scale_log2 - m_scaled);
+            block_sum += score;
+          }
+        }
+        // The thread's own columns only: the quad's partial sums are added once, at the end.
+        row_sum[mt][half] = row_sum[mt][half] * alpha + block_sum;
+#pragma unroll
+        for (int dt = 0; dt < kOTiles; ++dt) {
+          o_acc[mt][dt][2 * half] *= alpha;
+          o_acc[mt][dt][2 * half + 1] *= alpha;
+        }
+      }
+    }
+
+    // O += P V: P from the S registers, V fragments from shared memory.
+#pragma unroll
+    for (int ks = 0; ks < kOSteps; ++ks) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        a[mt][0] = pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+        a[mt][1] = pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+        a[mt][2] = pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+        a[mt][3] = pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; dt += 2) {
+        uint32_t b[2][2];
+        load_b_columns(b, v_tile(stage), kStride, ks * kMmaK, dt * kMmaN, lane);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816(o_acc[mt][dt], a[mt], b[0]);
+          mma_16816(o_acc[mt][dt + 1], a[mt], b[1]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before the next copy refills it
+  }
+  cp_async_wait<0>();  // a block that saw no key skipped the loop: let its Q copy finish
+
+  // O = o_acc / l and LSE = (m * scale_log2 + log2 l) / log2 e, for the rows that exist.
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = quad_sum(row_sum[mt][half]);
+      const int query = q_start + warp_row0 + mt * kMmaM + g + 8 * half;
+      if (query >= shape.seqlen_q) continue;
+      const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw no key outputs 0
+      bf16* o_row = o + (q_row0 + query) * kHeadDim;
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt) {
+        *reinterpret_cast<__nv_bfloat162*>(o_row + dt * kMmaN + 2 * t) = __floats2bfloat162_rn(
+            o_acc[mt][dt][2 * half] * inv_l, o_acc[mt][dt][2 * half + 1] * inv_l);
+      }
+      if (t == 0)
+        lse[q_row0 + query] =
+            l > 0.0f ? (row_max[mt][half] * scale_log2 + log2f(l)) / kLog2e : -INFINITY;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch
+// ---------------------------------------------------------------------------------------------
+
+inline size_t workspace_bytes(const AttentionShape&) { return 0; }
+
+template <int kHeadDim>
+void launch_for_head_dim(const attn::ForwardParams& params, cudaStream_t stream) {
+  const AttentionShape& shape = params.shape;
+  auto kernel = flash_tc_kernel<kHeadDim>;
+  // More than 48 KB of shared memory per block has to be asked for, once per kernel.
+  static const bool smem_configured = [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(Smem<kHeadDim>::kBytes)));
+    return true;
+  }();
+  (void)smem_configured;
+  const int64_t num_q_blocks = (shape.seqlen_q + kBlockM - 1) / kBlockM;
+  const unsigned blocks = unsigned(num_q_blocks * shape.batch * shape.heads_q);
+  kernel<<<blocks, kThreads, Smem<kHeadDim>::kBytes, stream>>>(
+      static_cast<const bf16*>(params.q), static_cast<const bf16*>(params.k),
+      static_cast<const bf16*>(params.v), static_cast<bf16*>(params.o), params.lse, shape,
+      shape.softmax_scale() * kLog2e);
+  CUDA_CHECK_LAUNCH();
+}
+
+inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
+  if (params.shape.head_dim == 64) launch_for_head_dim<64>(params, stream);
+  else launch_for_head_dim<128>(params, stream);
+}
+
+inline attn::ForwardChapter chapter() {
+  return {"09_causal_skip",
+          "chapter 08 with causal blocks above the diagonal skipped, the mask only on diagonal "
+          "blocks, and the longest query blocks first",
+          attn::DType::kBF16,
+          {64, 128},
+          80,
+          /*survives_large_logits=*/true,
+          workspace_bytes,
+          "",
+          launch};
+}
+
+}  // namespace ch09
