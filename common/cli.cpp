@@ -79,6 +79,7 @@ CliOptions parse_cli(const std::vector<std::string>& args) {
     else if (option == "--seed") cli.run.seed = uint64_t(parse_integer(option, next(), 0, kMaxInt));
     else if (option == "--no-check") cli.run.check = false;
     else if (option == "--check-all") cli.run.check_all = true;
+    else if (option == "--check-heads") cli.run.check_max_heads = integer(1);
     else if (option == "--no-bench") cli.run.bench = false;
     else if (option == "--warmup") cli.run.timing.warmup = integer(0);
     else if (option == "--iters") cli.run.timing.iters = integer(1);
@@ -121,6 +122,7 @@ std::string usage(const ForwardChapter& chapter) {
     << "  --no-check       skip the comparison with the CPU reference\n"
     << "  --check-all      check every (batch, head) pair; by default large problems check a\n"
     << "                   sample of pairs, and the report says which\n"
+    << "  --check-heads N  check at most N pairs (1: the first pair only)\n"
     << "Timing:\n"
     << "  --no-bench       run and check only\n"
     << "  --warmup N       untimed launches first (default 10)\n"

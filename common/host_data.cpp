@@ -1,7 +1,9 @@
 #include "host_data.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "cuda_check.h"
 
@@ -23,14 +25,25 @@ double uniform_open(uint64_t bits) { return (double(bits >> 11) + 1.0) * (1.0 / 
 void fill_normal(std::vector<float>& values, uint64_t seed, uint64_t stream, float stddev) {
   const uint64_t base = splitmix64(seed * 0x100000001B3ull + stream);
   constexpr double kTwoPi = 6.283185307179586;
-  for (size_t i = 0; i < values.size(); i += 2) {
-    // Box-Muller: two independent uniforms give two independent normals.
-    double u1 = uniform_open(splitmix64(base + 2 * i));
-    double u2 = uniform_open(splitmix64(base + 2 * i + 1));
-    double radius = std::sqrt(-2.0 * std::log(u1));
-    values[i] = float(stddev * radius * std::cos(kTwoPi * u2));
-    if (i + 1 < values.size()) values[i + 1] = float(stddev * radius * std::sin(kTwoPi * u2));
-  }
+  // Pair i depends only on (base, i), so the pairs can be filled by all cores at once.
+  const size_t pairs = (values.size() + 1) / 2;
+  auto fill_pairs = [&](size_t first, size_t last) {
+    for (size_t p = first; p < last; ++p) {
+      const size_t i = 2 * p;
+      // Box-Muller: two independent uniforms give two independent normals.
+      double u1 = uniform_open(splitmix64(base + 2 * i));
+      double u2 = uniform_open(splitmix64(base + 2 * i + 1));
+      double radius = std::sqrt(-2.0 * std::log(u1));
+      values[i] = float(stddev * radius * std::cos(kTwoPi * u2));
+      if (i + 1 < values.size()) values[i + 1] = float(stddev * radius * std::sin(kTwoPi * u2));
+    }
+  };
+  const size_t workers = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(),
+                                                              pairs / (1 << 16)));
+  std::vector<std::thread> pool;
+  for (size_t w = 0; w < workers; ++w)
+    pool.emplace_back(fill_pairs, pairs * w / workers, pairs * (w + 1) / workers);
+  for (auto& t : pool) t.join();
 }
 
 uint16_t float_to_bf16_bits(float value) {

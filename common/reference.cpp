@@ -39,18 +39,19 @@ int visible_keys(int row, int seqlen_k, bool causal, int causal_offset) {
   return std::clamp(row + causal_offset + 1, 0, seqlen_k);
 }
 
-// Attention for one head: q [sq x d], k and v [sk x d], all row-major float; writes o [sq x d] and
-// lse [sq]. Works through blocks of query rows so that S never needs sq x sk doubles at once.
-// Returns the largest |logit| any row sees.
-double attend_head(const float* q, const float* k, const float* v, int sq, int sk, int d,
-                   bool causal, int causal_offset, double scale, RefPrecision precision,
-                   double* o, double* lse) {
-  constexpr int kRowsPerBlock = 64;
+constexpr int kRowsPerBlock = 64;  // query rows per piece of work: S never needs sq x sk doubles
+
+// Attention for query rows [first_row, last_row) of one head: q [sq x d], k and v [sk x d], all
+// row-major float; writes those rows of o [sq x d] and lse [sq]. Returns the largest |logit| the
+// rows see.
+double attend_rows(const float* q, const float* k, const float* v, int sq, int sk, int d,
+                   int first_row, int last_row, bool causal, int causal_offset, double scale,
+                   RefPrecision precision, double* o, double* lse) {
   ConstMapF q_f(q, sq, d), k_f(k, sk, d), v_f(v, sk, d);
   const MatrixD k_d = k_f.cast<double>(), v_d = v_f.cast<double>();
   double max_abs_logit = 0;
-  for (int row0 = 0; row0 < sq; row0 += kRowsPerBlock) {
-    const int rows = std::min(kRowsPerBlock, sq - row0);
+  for (int row0 = first_row; row0 < last_row; row0 += kRowsPerBlock) {
+    const int rows = std::min(kRowsPerBlock, last_row - row0);
     MatrixD s;
     if (precision == RefPrecision::kDouble) {
       s = (q_f.middleRows(row0, rows).cast<double>() * k_d.transpose()) * scale;
@@ -107,12 +108,14 @@ std::vector<HeadIndex> all_heads(const AttentionShape& shape) {
   return heads;
 }
 
-std::vector<HeadIndex> sample_heads(const AttentionShape& shape, double mac_budget,
-                                    uint64_t seed) {
+std::vector<HeadIndex> sample_heads(const AttentionShape& shape, double mac_budget, uint64_t seed,
+                                    size_t max_heads) {
   std::vector<HeadIndex> every = all_heads(shape);
   const double macs_per_head = 2.0 * shape.seqlen_q * double(shape.seqlen_k) * shape.head_dim;
-  const double affordable = std::max(2.0, std::floor(mac_budget / macs_per_head));
+  double affordable = std::max(2.0, std::floor(mac_budget / macs_per_head));
+  if (max_heads > 0) affordable = std::min(affordable, double(max_heads));
   if (affordable >= double(every.size())) return every;
+  if (affordable < 2) return {every.front()};
   const size_t wanted = size_t(affordable);
   // Keep the first and last pair (edges of the grid), then a seeded shuffle of the middle.
   std::vector<size_t> middle(every.size() - 2);
@@ -138,16 +141,23 @@ ForwardReference reference_forward(const AttentionShape& shape, const std::vecto
   ref.heads = heads;
   ref.o.assign(heads.size() * size_t(sq) * d, 0.0);
   ref.lse.assign(heads.size() * size_t(sq), 0.0);
-  std::vector<double> max_abs(heads.size(), 0.0);
-  parallel_for(heads.size(), [&](size_t i) {
+  // One task per (head, group of row blocks), so that a few long heads still use every core.
+  const size_t blocks_per_head = (sq + kRowsPerBlock - 1) / kRowsPerBlock;
+  const size_t rows_per_task = kRowsPerBlock * std::max<size_t>(1, blocks_per_head / 16);
+  const size_t tasks_per_head = (sq + rows_per_task - 1) / rows_per_task;
+  std::vector<double> max_abs(heads.size() * tasks_per_head, 0.0);
+  parallel_for(max_abs.size(), [&](size_t task) {
+    const size_t i = task / tasks_per_head;
+    const int first_row = int(task % tasks_per_head * rows_per_task);
+    const int last_row = int(std::min<size_t>(sq, first_row + rows_per_task));
     const HeadIndex& h = heads[i];
     const int kv_head = h.head / shape.group_size();
     const size_t q_offset = (size_t(h.batch) * shape.heads_q + h.head) * sq * d;
     const size_t kv_offset = (size_t(h.batch) * shape.heads_kv + kv_head) * sk * d;
-    max_abs[i] = attend_head(q.data() + q_offset, k.data() + kv_offset, v.data() + kv_offset, sq,
-                             sk, d, shape.causal, shape.causal_offset(), shape.softmax_scale(),
-                             precision, ref.o.data() + i * size_t(sq) * d,
-                             ref.lse.data() + i * size_t(sq));
+    max_abs[task] = attend_rows(q.data() + q_offset, k.data() + kv_offset, v.data() + kv_offset,
+                                sq, sk, d, first_row, last_row, shape.causal,
+                                shape.causal_offset(), shape.softmax_scale(), precision,
+                                ref.o.data() + i * size_t(sq) * d, ref.lse.data() + i * size_t(sq));
   });
   for (double m : max_abs) ref.max_abs_logit = std::max(ref.max_abs_logit, m);
   return ref;
@@ -217,8 +227,8 @@ DecodeReference decode_with(const DecodeShape& shape, const std::vector<float>& 
     gather(b, kv_head, k_rows.data(), v_rows.data());
     for (int g = 0; g < group; ++g) {
       const size_t row = size_t(b) * shape.heads_q + kv_head * group + g;
-      attend_head(q.data() + row * d, k_rows.data(), v_rows.data(), 1, len, d, false, 0, scale,
-                  RefPrecision::kDouble, ref.o.data() + row * d, ref.lse.data() + row);
+      attend_rows(q.data() + row * d, k_rows.data(), v_rows.data(), 1, len, d, 0, 1, false, 0,
+                  scale, RefPrecision::kDouble, ref.o.data() + row * d, ref.lse.data() + row);
     }
   });
   return ref;

@@ -24,8 +24,10 @@ struct HeadIndex {
 // Every (batch, query head) pair, in layout order.
 std::vector<HeadIndex> all_heads(const AttentionShape& shape);
 // Pairs to check on a large problem: the first and the last pair, plus pairs drawn at random
-// (seeded) until the reference would do about `mac_budget` multiply-adds. All pairs if they fit.
-std::vector<HeadIndex> sample_heads(const AttentionShape& shape, double mac_budget, uint64_t seed);
+// (seeded) until the reference would do about `mac_budget` multiply-adds, and no more than
+// max_heads pairs if that is not 0 (1 means the first pair alone). All pairs if they fit.
+std::vector<HeadIndex> sample_heads(const AttentionShape& shape, double mac_budget, uint64_t seed,
+                                    size_t max_heads = 0);
 
 // How the reference computes.
 enum class RefPrecision {

@@ -129,7 +129,8 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
     if (options.check) {
       const std::vector<HeadIndex> heads =
           options.check_all ? all_heads(shape)
-                            : sample_heads(shape, options.check_mac_budget, options.seed);
+                            : sample_heads(shape, options.check_mac_budget, options.seed,
+                                           size_t(options.check_max_heads));
       const ForwardReference ref = reference_forward(shape, q, k, v, heads);
       report.checked = true;
       report.heads_checked = heads.size();

@@ -21,6 +21,7 @@ struct RunOptions {
   bool check = true;
   bool check_all = false;  // check every (batch, head) pair, however long it takes
   double check_mac_budget = 4e9;  // otherwise sample pairs up to about this much reference work
+  int check_max_heads = 0;        // and at most this many pairs (0: no limit)
   bool bench = true;
   TimingOptions timing;
   std::string save_dir;  // if set, write q, k, v, o, lse there as .npy

@@ -134,6 +134,10 @@ TEST_CASE("sample_heads keeps the first and last pair and stays within budget") 
     CHECK(heads[i - 1].batch * 16 + heads[i - 1].head < heads[i].batch * 16 + heads[i].head);
   CHECK(sample_heads(s, 1e30, 7).size() == 128);
   CHECK(sample_heads(s, 0, 7).size() == 2);
+  CHECK(sample_heads(s, 1e30, 7, 5).size() == 5);
+  const auto first_only = sample_heads(s, 1e30, 7, 1);
+  REQUIRE(first_only.size() == 1);
+  CHECK(first_only[0] == HeadIndex{0, 0});
 }
 
 TEST_CASE("the plain-bf16 reference is close to, but not the same as, the double one") {

@@ -1,0 +1,27 @@
+# Sourced by scripts/test and scripts/ladder: makes sure the build's dependencies are there.
+# As root on Debian/Ubuntu it installs what is missing; otherwise it prints the exact command.
+
+ensure_dependencies() {
+  local missing=()
+  command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  [ -f /usr/include/eigen3/Eigen/Dense ] || missing+=(libeigen3-dev)
+  [ -f /usr/include/doctest/doctest.h ] || missing+=(doctest-dev)
+  if ! command -v nvcc >/dev/null 2>&1; then
+    if [ -x /usr/local/cuda/bin/nvcc ]; then
+      export PATH="/usr/local/cuda/bin:$PATH"
+    else
+      echo "nvcc not found: install the CUDA Toolkit (https://developer.nvidia.com/cuda-downloads)" >&2
+      echo "and put its bin/ folder on PATH." >&2
+      return 1
+    fi
+  fi
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  else
+    echo "missing packages; install them with:" >&2
+    echo "  sudo apt-get update && sudo apt-get install -y ${missing[*]}" >&2
+    return 1
+  fi
+}
