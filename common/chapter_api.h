@@ -16,11 +16,11 @@ enum class DType { kF32, kBF16 };
 
 struct ForwardParams {
   AttentionShape shape;
-  const void* q = nullptr;  // [batch, heads_q, seqlen_q, head_dim]
-  const void* k = nullptr;  // [batch, heads_kv, seqlen_k, head_dim]
-  const void* v = nullptr;  // [batch, heads_kv, seqlen_k, head_dim]
-  void* o = nullptr;        // [batch, heads_q, seqlen_q, head_dim]
-  float* lse = nullptr;     // [batch, heads_q, seqlen_q], natural log of each row's softmax sum
+  const void* q = nullptr;    // [batch, heads_q, seqlen_q, head_dim]
+  const void* k = nullptr;    // [batch, heads_kv, seqlen_k, head_dim]
+  const void* v = nullptr;    // [batch, heads_kv, seqlen_k, head_dim]
+  void* o = nullptr;          // [batch, heads_q, seqlen_q, head_dim]
+  float* lse = nullptr;       // [batch, heads_q, seqlen_q], natural log of each row's softmax sum
   void* workspace = nullptr;  // ForwardChapter::workspace_bytes(shape) bytes, uninitialised
 };
 

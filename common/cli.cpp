@@ -112,7 +112,8 @@ std::string usage(const ForwardChapter& chapter) {
   for (int hd : chapter.head_dims) s << " " << hd;
   if (chapter.head_dims.empty()) s << " any up to 256";
   s << "; default " << d.head_dim << ")\n"
-    << "  --causal         causal mask, aligned to the bottom-right corner when seqlen_q != seqlen_k\n"
+    << "  --causal         causal mask, aligned to the bottom-right corner when seqlen_q != "
+       "seqlen_k\n"
     << "  --scale F        softmax scale (default 1/sqrt(head_dim))\n"
     << "Inputs:\n"
     << "  --seed N         seed of the random inputs (default 1234)\n"

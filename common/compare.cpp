@@ -37,7 +37,8 @@ Comparison compare(const std::vector<float>& out, const std::vector<double>& ref
       }
     }
   }
-  c.rel_err = c.nonfinite ? INFINITY : (ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : std::sqrt(err_sq));
+  c.rel_err =
+      c.nonfinite ? INFINITY : (ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : std::sqrt(err_sq));
   c.passed = c.failed == 0 && c.rel_err <= tolerance.max_rel_norm;
   return c;
 }

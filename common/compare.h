@@ -22,7 +22,7 @@ struct Comparison {
   size_t failed = 0;     // elements outside atol + rtol * |ref| (NaN and Inf included)
   size_t nonfinite = 0;  // NaN or Inf where the reference is finite
   double max_abs_err = 0;
-  double rel_err = 0;    // norm-wise
+  double rel_err = 0;                   // norm-wise
   std::vector<std::string> mismatches;  // the first few failures, with their position
   bool passed = false;
 };
@@ -34,8 +34,8 @@ Comparison compare(const std::vector<float>& out, const std::vector<double>& ref
 
 // O of an fp32 chapter. float rounds each step to about 6e-8 relative; over a dot product of
 // head_dim terms and a softmax over seqlen_k terms that stays well under 1e-6 for logits of order
-// one, hence 1e-5 with margin. A logit error becomes a relative error of the same size in exp(), and
-// the logits' rounding error grows with their size, so the bound grows with max|logit| / 16.
+// one, hence 1e-5 with margin. A logit error becomes a relative error of the same size in exp(),
+// and the logits' rounding error grows with their size, so the bound grows with max|logit| / 16.
 Tolerance fp32_output_tolerance(double max_abs_logit);
 // O of a bf16 chapter: at most twice the largest error that a plain bf16 implementation makes on
 // the same rounded inputs (plus 1e-5), the rule of the FlashAttention tests; and whatever that

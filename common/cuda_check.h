@@ -18,11 +18,11 @@ struct CudaError : std::runtime_error {
 
 }  // namespace attn
 
-#define CUDA_CHECK(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t cuda_check_status_ = (expr);                                                      \
-    if (cuda_check_status_ != cudaSuccess)                                                        \
-      ::attn::throw_cuda_error(cuda_check_status_, #expr, __FILE__, __LINE__);                    \
+#define CUDA_CHECK(expr)                                                       \
+  do {                                                                         \
+    cudaError_t cuda_check_status_ = (expr);                                   \
+    if (cuda_check_status_ != cudaSuccess)                                     \
+      ::attn::throw_cuda_error(cuda_check_status_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 // After a kernel launch: catches bad launch configurations (too much shared memory, a grid too

@@ -18,7 +18,9 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 // Uniform in (0, 1]: never 0, so the logarithm below is finite.
-double uniform_open(uint64_t bits) { return (double(bits >> 11) + 1.0) * (1.0 / 9007199254740992.0); }
+double uniform_open(uint64_t bits) {
+  return (double(bits >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+}
 
 }  // namespace
 
@@ -38,8 +40,8 @@ void fill_normal(std::vector<float>& values, uint64_t seed, uint64_t stream, flo
       if (i + 1 < values.size()) values[i + 1] = float(stddev * radius * std::sin(kTwoPi * u2));
     }
   };
-  const size_t workers = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(),
-                                                              pairs / (1 << 16)));
+  const size_t workers =
+      std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), pairs / (1 << 16)));
   std::vector<std::thread> pool;
   for (size_t w = 0; w < workers; ++w)
     pool.emplace_back(fill_pairs, pairs * w / workers, pairs * (w + 1) / workers);

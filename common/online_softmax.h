@@ -24,7 +24,7 @@ struct SoftmaxPartial {
 // exp(a - m) where m = max(a, b): 0 for a side that has seen no key, instead of exp(-inf + inf).
 inline double merge_factor(double side_max, double merged_max) {
   return side_max == -std::numeric_limits<double>::infinity() ? 0.0
-                                                               : std::exp(side_max - merged_max);
+                                                              : std::exp(side_max - merged_max);
 }
 
 inline SoftmaxPartial merge(const SoftmaxPartial& a, const SoftmaxPartial& b) {
@@ -34,7 +34,8 @@ inline SoftmaxPartial merge(const SoftmaxPartial& a, const SoftmaxPartial& b) {
   out.sum = a.sum * fa + b.sum * fb;
   out.acc.resize(std::max(a.acc.size(), b.acc.size()), 0.0);
   for (size_t i = 0; i < out.acc.size(); ++i)
-    out.acc[i] = (i < a.acc.size() ? a.acc[i] * fa : 0.0) + (i < b.acc.size() ? b.acc[i] * fb : 0.0);
+    out.acc[i] =
+        (i < a.acc.size() ? a.acc[i] * fa : 0.0) + (i < b.acc.size() ? b.acc[i] * fb : 0.0);
   return out;
 }
 
@@ -45,8 +46,7 @@ inline SoftmaxPartial single_key(double s, const std::vector<double>& v) {
 
 // Log-sum-exp of the merged row: -inf when it saw no key.
 inline double log_sum_exp(const SoftmaxPartial& state) {
-  return state.sum > 0 ? state.max + std::log(state.sum)
-                       : -std::numeric_limits<double>::infinity();
+  return state.sum > 0 ? state.max + std::log(state.sum) : -std::numeric_limits<double>::infinity();
 }
 
 // The output row acc / l, or zeros for a row that saw no key.

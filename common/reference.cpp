@@ -154,10 +154,10 @@ ForwardReference reference_forward(const AttentionShape& shape, const std::vecto
     const int kv_head = h.head / shape.group_size();
     const size_t q_offset = (size_t(h.batch) * shape.heads_q + h.head) * sq * d;
     const size_t kv_offset = (size_t(h.batch) * shape.heads_kv + kv_head) * sk * d;
-    max_abs[task] = attend_rows(q.data() + q_offset, k.data() + kv_offset, v.data() + kv_offset,
-                                sq, sk, d, first_row, last_row, shape.causal,
-                                shape.causal_offset(), shape.softmax_scale(), precision,
-                                ref.o.data() + i * size_t(sq) * d, ref.lse.data() + i * size_t(sq));
+    max_abs[task] =
+        attend_rows(q.data() + q_offset, k.data() + kv_offset, v.data() + kv_offset, sq, sk, d,
+                    first_row, last_row, shape.causal, shape.causal_offset(), shape.softmax_scale(),
+                    precision, ref.o.data() + i * size_t(sq) * d, ref.lse.data() + i * size_t(sq));
   });
   for (double m : max_abs) ref.max_abs_logit = std::max(ref.max_abs_logit, m);
   return ref;
@@ -179,7 +179,8 @@ BackwardReference reference_backward(const AttentionShape& shape, const std::vec
     const size_t kv_offset = task * sk * d;
     const MatrixD k_d = ConstMapF(k.data() + kv_offset, sk, d).cast<double>();
     const MatrixD v_d = ConstMapF(v.data() + kv_offset, sk, d).cast<double>();
-    Eigen::Map<MatrixD> dk(grad.dk.data() + kv_offset, sk, d), dv(grad.dv.data() + kv_offset, sk, d);
+    Eigen::Map<MatrixD> dk(grad.dk.data() + kv_offset, sk, d),
+        dv(grad.dv.data() + kv_offset, sk, d);
     for (int g = 0; g < shape.group_size(); ++g) {
       const int head = kv_head * shape.group_size() + g;
       const size_t q_offset = (size_t(b) * shape.heads_q + head) * sq * d;
@@ -250,8 +251,7 @@ DecodeReference reference_decode(const DecodeShape& shape, const std::vector<flo
 DecodeReference reference_paged_decode(const DecodeShape& shape, const std::vector<float>& q,
                                        const std::vector<float>& k_pages,
                                        const std::vector<float>& v_pages, int page_size,
-                                       const std::vector<int>& block_table,
-                                       int max_pages_per_seq) {
+                                       const std::vector<int>& block_table, int max_pages_per_seq) {
   const size_t d = shape.head_dim;
   return decode_with(shape, q, [&](int b, int kv_head, float* k_rows, float* v_rows) {
     for (int t = 0; t < shape.seqlens_k[b]; ++t) {

@@ -66,9 +66,9 @@ struct DecodeShape {
   int heads_q = 1;
   int heads_kv = 1;
   int head_dim = 64;
-  int max_seqlen_k = 1;         // the cache's capacity per sequence
-  std::vector<int> seqlens_k;   // [batch]: how many cache entries each sequence uses (>= 0)
-  float scale = 0.0f;           // 0: 1/sqrt(head_dim)
+  int max_seqlen_k = 1;        // the cache's capacity per sequence
+  std::vector<int> seqlens_k;  // [batch]: how many cache entries each sequence uses (>= 0)
+  float scale = 0.0f;          // 0: 1/sqrt(head_dim)
 };
 
 struct DecodeReference {
@@ -88,7 +88,6 @@ DecodeReference reference_decode(const DecodeShape& shape, const std::vector<flo
 DecodeReference reference_paged_decode(const DecodeShape& shape, const std::vector<float>& q,
                                        const std::vector<float>& k_pages,
                                        const std::vector<float>& v_pages, int page_size,
-                                       const std::vector<int>& block_table,
-                                       int max_pages_per_seq);
+                                       const std::vector<int>& block_table, int max_pages_per_seq);
 
 }  // namespace attn

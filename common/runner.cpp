@@ -155,8 +155,8 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
           return s.str();
         };
       };
-      report.o = compare(gather_heads(o, shape, heads, d), ref.o, report.o_tolerance,
-                         where("o", d));
+      report.o =
+          compare(gather_heads(o, shape, heads, d), ref.o, report.o_tolerance, where("o", d));
       report.lse = compare(gather_heads(lse, shape, heads, 1), ref.lse, report.lse_tolerance,
                            where("lse", 1));
       report.passed = report.o.passed && report.lse.passed;
@@ -164,8 +164,8 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
   }
 
   if (options.bench) {
-    report.timing = time_launches([&](cudaStream_t stream) { chapter.launch(params, stream); },
-                                  options.timing);
+    report.timing =
+        time_launches([&](cudaStream_t stream) { chapter.launch(params, stream); }, options.timing);
     CUDA_CHECK_LAUNCH();
     report.timed = true;
     report.tflops = forward_flops(shape) / (report.timing.median_ms * 1e-3) / 1e12;
@@ -184,8 +184,8 @@ std::string megabytes(size_t bytes) {
 void print_text(const RunReport& r) {
   std::printf("device  %s\n", r.device.c_str());
   std::printf("shape   %s, %s\n", r.shape.describe().c_str(), dtype_name(r.dtype));
-  std::printf("memory  %s on the device: Q, K, V, O, LSE %s", megabytes(r.io_bytes + r.workspace_bytes).c_str(),
-              megabytes(r.io_bytes).c_str());
+  std::printf("memory  %s on the device: Q, K, V, O, LSE %s",
+              megabytes(r.io_bytes + r.workspace_bytes).c_str(), megabytes(r.io_bytes).c_str());
   if (r.workspace_bytes)
     std::printf(" + workspace %s (%s)", megabytes(r.workspace_bytes).c_str(),
                 r.workspace_what.c_str());
@@ -239,18 +239,24 @@ void print_json(const RunReport& r) {
       "\"workspace_bytes\": %zu, \"device\": \"%s\"}\n",
       r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q, r.shape.heads_kv,
       r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim, r.shape.causal ? "true" : "false",
-      r.checked ? "true" : "false", r.passed ? "true" : "false", r.heads_checked,
-      r.o.max_abs_err, r.o.rel_err, r.lse.max_abs_err, r.timing.median_ms, r.tflops,
-      r.io_bytes + r.workspace_bytes, r.workspace_bytes, r.device.c_str());
+      r.checked ? "true" : "false", r.passed ? "true" : "false", r.heads_checked, r.o.max_abs_err,
+      r.o.rel_err, r.lse.max_abs_err, r.timing.median_ms, r.tflops, r.io_bytes + r.workspace_bytes,
+      r.workspace_bytes, r.device.c_str());
 }
 
 }  // namespace
 
 void print_report(const RunReport& report, OutputFormat format) {
   switch (format) {
-    case OutputFormat::kText: print_text(report); break;
-    case OutputFormat::kCsv: print_csv(report); break;
-    case OutputFormat::kJson: print_json(report); break;
+    case OutputFormat::kText:
+      print_text(report);
+      break;
+    case OutputFormat::kCsv:
+      print_csv(report);
+      break;
+    case OutputFormat::kJson:
+      print_json(report);
+      break;
   }
   std::fflush(stdout);
 }

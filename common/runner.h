@@ -19,7 +19,7 @@ struct RunOptions {
   uint64_t seed = 1234;
   float q_scale = 1.0f;  // Q ~ Normal(0, q_scale): large values make exp() overflow without the max
   bool check = true;
-  bool check_all = false;  // check every (batch, head) pair, however long it takes
+  bool check_all = false;         // check every (batch, head) pair, however long it takes
   double check_mac_budget = 4e9;  // otherwise sample pairs up to about this much reference work
   int check_max_heads = 0;        // and at most this many pairs (0: no limit)
   bool bench = true;
@@ -36,9 +36,9 @@ struct RunReport {
   std::string chapter;
   DType dtype = DType::kF32;
   AttentionShape shape;
-  std::string device;           // e.g. "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, CUDA 13.0)"
-  size_t io_bytes = 0;          // Q, K, V, O, LSE on the device
-  size_t workspace_bytes = 0;   // the chapter's scratch
+  std::string device;          // e.g. "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, CUDA 13.0)"
+  size_t io_bytes = 0;         // Q, K, V, O, LSE on the device
+  size_t workspace_bytes = 0;  // the chapter's scratch
   std::string workspace_what;
   // Check.
   bool checked = false;
@@ -68,9 +68,9 @@ void print_report(const RunReport& report, OutputFormat format);
 enum ExitCode : int {
   kExitPass = 0,
   kExitCheckFailed = 1,
-  kExitBadInput = 2,    // bad option, unsupported shape or head_dim
-  kExitNoDevice = 3,    // no GPU, too old a GPU, or not enough device memory
-  kExitCudaError = 4,   // a CUDA call or a kernel failed
+  kExitBadInput = 2,   // bad option, unsupported shape or head_dim
+  kExitNoDevice = 3,   // no GPU, too old a GPU, or not enough device memory
+  kExitCudaError = 4,  // a CUDA call or a kernel failed
 };
 
 // The whole program of a chapter binary: parse argv, run, print, return the exit code.

@@ -18,8 +18,8 @@ std::string AttentionShape::describe() const {
 }
 
 double forward_flops(const AttentionShape& shape) {
-  double flops = 4.0 * shape.batch * shape.heads_q * double(shape.seqlen_q) * shape.seqlen_k *
-                 shape.head_dim;
+  double flops =
+      4.0 * shape.batch * shape.heads_q * double(shape.seqlen_q) * shape.seqlen_k * shape.head_dim;
   return shape.causal ? flops / 2 : flops;
 }
 

@@ -30,8 +30,12 @@ struct AttentionShape {
   float softmax_scale() const;
   // Query heads that share one key/value head (1 = multi-head, heads_q = multi-query).
   ATTN_HOST_DEVICE int group_size() const { return heads_q / heads_kv; }
-  ATTN_HOST_DEVICE int64_t q_elements() const { return int64_t(batch) * heads_q * seqlen_q * head_dim; }
-  ATTN_HOST_DEVICE int64_t kv_elements() const { return int64_t(batch) * heads_kv * seqlen_k * head_dim; }
+  ATTN_HOST_DEVICE int64_t q_elements() const {
+    return int64_t(batch) * heads_q * seqlen_q * head_dim;
+  }
+  ATTN_HOST_DEVICE int64_t kv_elements() const {
+    return int64_t(batch) * heads_kv * seqlen_k * head_dim;
+  }
   ATTN_HOST_DEVICE int64_t lse_elements() const { return int64_t(batch) * heads_q * seqlen_q; }
   // The first key that query row i cannot see is i + causal_offset() + 1 (bottom-right aligned).
   ATTN_HOST_DEVICE int causal_offset() const { return seqlen_k - seqlen_q; }

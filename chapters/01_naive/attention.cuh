@@ -59,7 +59,8 @@ __global__ void scores_kernel(const float* q, const float* k, float* s, Attentio
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
 
   const float* q_row = q + row * shape.head_dim;
-  const float* k_row = k + ((batch * shape.heads_kv + kv_head) * shape.seqlen_k + key) * shape.head_dim;
+  const float* k_row =
+      k + ((batch * shape.heads_kv + kv_head) * shape.seqlen_k + key) * shape.head_dim;
   float dot = 0.0f;
   for (int d = 0; d < shape.head_dim; ++d) dot += q_row[d] * k_row[d];
 

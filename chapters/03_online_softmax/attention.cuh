@@ -91,7 +91,8 @@ __global__ void scores_kernel(const float* q, const float* k, float* s, Attentio
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
 
   const float* q_row = q + row * shape.head_dim;
-  const float* k_row = k + ((batch * shape.heads_kv + kv_head) * shape.seqlen_k + key) * shape.head_dim;
+  const float* k_row =
+      k + ((batch * shape.heads_kv + kv_head) * shape.seqlen_k + key) * shape.head_dim;
   float dot = 0.0f;
   for (int d = 0; d < shape.head_dim; ++d) dot += q_row[d] * k_row[d];
 
@@ -182,15 +183,16 @@ inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
 }
 
 inline attn::ForwardChapter chapter() {
-  return {"03_online_softmax",
-          "chapter 02 with max and sum found in one pass (online softmax, merged across lanes; fp32)",
-          attn::DType::kF32,
-          {},  // any head_dim: every loop over it is a plain loop
-          50,
-          /*survives_large_logits=*/true,
-          workspace_bytes,
-          "the score matrix S",
-          launch};
+  return {
+      "03_online_softmax",
+      "chapter 02 with max and sum found in one pass (online softmax, merged across lanes; fp32)",
+      attn::DType::kF32,
+      {},  // any head_dim: every loop over it is a plain loop
+      50,
+      /*survives_large_logits=*/true,
+      workspace_bytes,
+      "the score matrix S",
+      launch};
 }
 
 }  // namespace ch03

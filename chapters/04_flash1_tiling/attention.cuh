@@ -62,7 +62,9 @@ constexpr int kPad = 1;
 // ---------------------------------------------------------------------------------------------
 
 // exp(from - to), or 0 when `from` is -inf (a row that has seen no key yet): never exp(NaN).
-__device__ float rescale(float from, float to) { return from == -INFINITY ? 0.0f : expf(from - to); }
+__device__ float rescale(float from, float to) {
+  return from == -INFINITY ? 0.0f : expf(from - to);
+}
 
 // Copies rows [row0, row0 + kRows) of a [rows_total][kHeadDim] matrix into a shared tile with
 // rows of kHeadDim + pad floats; rows past the end become zeros (partial last block).
@@ -157,7 +159,8 @@ __global__ void __launch_bounds__(kThreads)
         new_weight[r] = new_scale * inv_l;
         row_max[row] = m_new;
         row_sum[row] = l_new;
-        if (kv_block == num_kv_blocks - 1) lse[row] = l_new > 0.0f ? m_new + logf(l_new) : -INFINITY;
+        if (kv_block == num_kv_blocks - 1)
+          lse[row] = l_new > 0.0f ? m_new + logf(l_new) : -INFINITY;
       }
       __syncthreads();
 
@@ -166,7 +169,8 @@ __global__ void __launch_bounds__(kThreads)
         const int r = e / kHeadDim, c = e % kHeadDim;
         if (q_start + r >= shape.seqlen_q) continue;
         float pv = 0.0f;
-        for (int j = 0; j < kBlockN; ++j) pv += s_tile[r * (kBlockN + kPad) + j] * v_tile[j * kHeadDim + c];
+        for (int j = 0; j < kBlockN; ++j)
+          pv += s_tile[r * (kBlockN + kPad) + j] * v_tile[j * kHeadDim + c];
         float* o_elem = o_head + int64_t(q_start + r) * kHeadDim + c;
         *o_elem = old_weight[r] * *o_elem + new_weight[r] * pv;
       }

@@ -65,7 +65,9 @@ constexpr int kPad = 1;
 // ---------------------------------------------------------------------------------------------
 
 // exp(from - to), or 0 when `from` is -inf (a row that has seen no key yet): never exp(NaN).
-__device__ float rescale(float from, float to) { return from == -INFINITY ? 0.0f : expf(from - to); }
+__device__ float rescale(float from, float to) {
+  return from == -INFINITY ? 0.0f : expf(from - to);
+}
 
 // Copies rows [row0, row0 + kRows) of a [rows_total][kHeadDim] matrix into a shared tile with
 // rows of kHeadDim + pad floats; rows past the end become zeros (partial last block).
@@ -96,9 +98,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float k_tile[kBlockN * (kHeadDim + kPad)];
   __shared__ float v_tile[kBlockN * kHeadDim];
   __shared__ float s_tile[kBlockM * (kBlockN + kPad)];
-  __shared__ float row_max[kBlockM];    // m
-  __shared__ float row_sum[kBlockM];    // l
-  __shared__ float old_weight[kBlockM]; // exp(m - m_new): rescales o_acc
+  __shared__ float row_max[kBlockM];     // m
+  __shared__ float row_sum[kBlockM];     // l
+  __shared__ float old_weight[kBlockM];  // exp(m - m_new): rescales o_acc
 
   const int num_q_blocks = (shape.seqlen_q + kBlockM - 1) / kBlockM;
   const int q_block = int(blockIdx.x % num_q_blocks);
@@ -164,7 +166,8 @@ __global__ void __launch_bounds__(kThreads)
       const int e = threadIdx.x + i * kThreads;
       const int r = e / kHeadDim, c = e % kHeadDim;
       float pv = 0.0f;
-      for (int j = 0; j < kBlockN; ++j) pv += s_tile[r * (kBlockN + kPad) + j] * v_tile[j * kHeadDim + c];
+      for (int j = 0; j < kBlockN; ++j)
+        pv += s_tile[r * (kBlockN + kPad) + j] * v_tile[j * kHeadDim + c];
       o_acc[i] = old_weight[r] * o_acc[i] + pv;
     }
     __syncthreads();  // the tiles are overwritten by the next key block
@@ -192,7 +195,8 @@ inline size_t workspace_bytes(const AttentionShape&) { return 0; }
 template <int kHeadDim>
 void launch_for_head_dim(const attn::ForwardParams& params, cudaStream_t stream) {
   const AttentionShape& shape = params.shape;
-  const int64_t num_q_blocks = (shape.seqlen_q + Tile<kHeadDim>::kBlockM - 1) / Tile<kHeadDim>::kBlockM;
+  const int64_t num_q_blocks =
+      (shape.seqlen_q + Tile<kHeadDim>::kBlockM - 1) / Tile<kHeadDim>::kBlockM;
   const unsigned blocks = unsigned(num_q_blocks * shape.batch * shape.heads_q);
   flash2_kernel<kHeadDim><<<blocks, kThreads, 0, stream>>>(
       static_cast<const float*>(params.q), static_cast<const float*>(params.k),

@@ -4,9 +4,9 @@
 // them in registers. Each warp owns 16 query rows of the block, one MMA tile (FlashAttention-2's
 // split of Q across warps: no warp needs another's results):
 //
-//   block of 64 query rows                           K_j, V_j: 64 keys, in shared memory
+//   block of 64 query rows                K_j, V_j: 64 (d = 64) or 32 (d = 128) keys, in smem
 //   +--------------------+
-//   | warp 0: rows 0-15  |  S = Q K^T  (16 x 64, fp32 accumulators in registers)
+//   | warp 0: rows 0-15  |  S = Q K^T  (16 x keys, fp32 accumulators in registers)
 //   | warp 1: rows 16-31 |  online softmax on those registers (quad shuffles for max and sum)
 //   | warp 2: rows 32-47 |  P -> bf16, packed straight into A fragments
 //   | warp 3: rows 48-63 |  O += P V   (16 x head_dim, fp32 accumulators in registers)
@@ -51,10 +51,16 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;            // mma.sync.m16n8k16
-constexpr int kMTiles = 1;                                  // 16-row MMA tiles per warp
-constexpr int kBlockM = kWarps * kMTiles * kMmaM;           // 64 query rows per block
-constexpr int kBlockN = 64;                                 // keys per iteration
+constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;   // mma.sync.m16n8k16
+constexpr int kMTiles = 1;                         // 16-row MMA tiles per warp
+constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 64 query rows per block
+// Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
+// barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
+// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
+// holds kBlockN / 2 floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 16 + 128 at d = 128.
+// (64 keys at d = 128 make the compiler spill registers; measured, 32 keys cost about 2% less.)
+template <int kHeadDim>
+constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). The 8 lanes g = 0..7 of a fragment load
 // read 8 different rows at the same column: with rows of 64 or 128 bf16 (a multiple of 128
 // bytes) they would all hit the same 4-byte bank. 16 more bytes per row move row g by 4 g banks,
@@ -67,7 +73,8 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 template <int kHeadDim>
 struct Smem {
   static constexpr int kStride = kHeadDim + kPad;  // bf16 per shared-memory row
-  static constexpr size_t kBytes = size_t(kBlockM + 2 * kBlockN) * kStride * sizeof(bf16);
+  static constexpr size_t kBytes =
+      size_t(kBlockM + 2 * kBlockNFor<kHeadDim>) * kStride * sizeof(bf16);
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -95,8 +102,8 @@ __device__ uint32_t pack(float low, float high) {
 }
 
 // A fragment: rows [row0, row0 + 16), columns [col0, col0 + 16) of a row-major tile.
-__device__ void load_a(uint32_t (&a)[4], const bf16* tile, int stride, int row0, int col0,
-                       int g, int t) {
+__device__ void load_a(uint32_t (&a)[4], const bf16* tile, int stride, int row0, int col0, int g,
+                       int t) {
   const bf16* top = tile + (row0 + g) * stride + col0 + 2 * t;
   const bf16* bottom = top + 8 * stride;
   a[0] = load_pair(top);
@@ -120,6 +127,15 @@ __device__ void load_b_columns(uint32_t (&b)[2], const bf16* tile, int stride, i
   const bf16* p = tile + (row0 + 2 * t) * stride + col0 + g;
   b[0] = pack(p[0], p[stride]);
   b[1] = pack(p[8 * stride], p[9 * stride]);
+}
+
+// 2^x in one instruction (MUFU.EX2). exp2f() wraps it in a range check so that results below
+// 2^-126 come out exact; a probability that small cannot change a row sum that holds a 1, so the
+// flush-to-zero form is enough (PTX ISA: ex2.approx.ftz.f32, at most 2 ulp of error).
+__device__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Max and sum over the 4 lanes of a quad, which share a row of every fragment.
@@ -162,10 +178,11 @@ __global__ void __launch_bounds__(kThreads)
     flash_tc_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
                     AttentionShape shape, float scale_log2) {
   constexpr int kStride = Smem<kHeadDim>::kStride;
-  constexpr int kSTiles = kBlockN / kMmaN;      // S: 8 tiles of 8 keys
-  constexpr int kOTiles = kHeadDim / kMmaN;     // O: 8 or 16 tiles of 8 columns
-  constexpr int kSSteps = kHeadDim / kMmaK;     // S = Q K^T: k runs over head_dim
-  constexpr int kOSteps = kBlockN / kMmaK;      // O = P V: k runs over the block's keys
+  constexpr int kBlockN = kBlockNFor<kHeadDim>;  // keys per iteration
+  constexpr int kSTiles = kBlockN / kMmaN;       // S: tiles of 8 keys
+  constexpr int kOTiles = kHeadDim / kMmaN;      // O: 8 or 16 tiles of 8 columns
+  constexpr int kSSteps = kHeadDim / kMmaK;      // S = Q K^T: k runs over head_dim
+  constexpr int kOSteps = kBlockN / kMmaK;       // O = P V: k runs over the block's keys
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_tile = reinterpret_cast<bf16*>(smem);  // [kBlockM][kStride]
   bf16* k_tile = q_tile + kBlockM * kStride;     // [kBlockN][kStride]
@@ -200,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
     load_tile<kBlockN, kHeadDim>(v_tile, v_head, kv_start, shape.seqlen_k);
     __syncthreads();
 
-    // S = Q K^T for this warp's 16 rows and the block's 64 keys.
+    // S = Q K^T for this warp's 16 rows and the block's keys.
     float s[kMTiles][kSTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kSSteps; ++ks) {
@@ -217,47 +234,54 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
 
-    // Online softmax on the accumulators, in the base-2 domain: exp(x) = exp2(x * log2 e), and
-    // the scale is folded into the same multiply, so p = exp2(s * scale_log2 - m * scale_log2).
+    // Online softmax on the accumulators, in the base-2 domain: exp(x) = exp2(x * log2 e), with
+    // the scale folded into the same multiply: p = exp2(s * scale_log2 - m * scale_log2). Each
+    // step runs over all of the thread's rows before the next one starts, so the rows' chains of
+    // dependent instructions (a max or a sum over 16 values) overlap instead of waiting in turn.
+    //
+    // 1. Mask, then the row max of the block. This thread's scores sit at keys
+    //    kv_start + 2t + (nt * 8 + e); those at or past the row's end (the last key, or the causal
+    //    diagonal) become -inf: one compare against a compile-time constant each. Without the
+    //    causal mask only the last block, if partial, has such keys.
+    const bool masked = shape.causal || kv_start + kBlockN > shape.seqlen_k;
+    int limit[kMTiles][2];
+    float block_max[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // This thread's scores are at keys kv_start + 2t + (nt * 8 + e). Those at or past the
-        // row's end (the last key, or the causal diagonal) are masked: one compare against a
-        // compile-time constant each.
         const int query = q_start + warp_row0 + mt * kMmaM + g + 8 * half;
-        const int row_end = shape.causal ? min(shape.seqlen_k, query + shape.causal_offset() + 1)
-                                         : shape.seqlen_k;
-        const int limit = row_end - kv_start - 2 * t;
-        float block_max = -INFINITY;
+        const int row_end =
+            shape.causal ? min(shape.seqlen_k, query + shape.causal_offset() + 1) : shape.seqlen_k;
+        limit[mt][half] = row_end - kv_start - 2 * t;
+        block_max[mt][half] = -INFINITY;
+      }
+    }
 #pragma unroll
-        for (int nt = 0; nt < kSTiles; ++nt) {
+    for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& score = s[mt][nt][2 * half + e];
-            if (nt * kMmaN + e >= limit) score = -INFINITY;
-            block_max = fmaxf(block_max, score);
-          }
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // i = 2 * half + e
+          float& score = s[mt][nt][i];
+          if (masked && nt * kMmaN + i % 2 >= limit[mt][i / 2]) score = -INFINITY;
+          block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
-        const float m_new = fmaxf(row_max[mt][half], quad_max(block_max));
-        // A row with every key so far masked keeps m = -inf; subtracting 0 instead gives
-        // exp2(-inf) = 0 for its masked scores rather than exp2(-inf + inf) = NaN.
-        const float m_scaled = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
-        const float alpha = exp2f(row_max[mt][half] * scale_log2 - m_scaled);
+
+    // 2. The new running max, and alpha = exp2((m_old - m_new) * scale_log2), which rescales
+    //    everything accumulated under the old max: the running sum and the output. A row with
+    //    every key so far masked keeps m = -inf; subtracting 0 instead gives exp2(-inf) = 0 for
+    //    its masked scores rather than exp2(-inf + inf) = NaN.
+    float m_scaled[kMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float m_new = fmaxf(row_max[mt][half], quad_max(block_max[mt][half]));
+        m_scaled[mt][half] = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
+        const float alpha = exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]);
         row_max[mt][half] = m_new;
-        float block_sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < kSTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& score = s[mt][nt][2 * half + e];
-            score = exp2f(score * scale_log2 - m_scaled);
-            block_sum += score;
-          }
-        }
-        // The thread's own columns only: the quad's partial sums are added once, at the end.
-        row_sum[mt][half] = row_sum[mt][half] * alpha + block_sum;
+        row_sum[mt][half] *= alpha;
 #pragma unroll
         for (int dt = 0; dt < kOTiles; ++dt) {
           o_acc[mt][dt][2 * half] *= alpha;
@@ -266,7 +290,20 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
 
-    // O += P V: P from the S registers, V fragments from shared memory.
+    // 3. P = exp2(s * scale_log2 - m_scaled), in place, and its row sums over this thread's
+    //    columns only: the quad's partial sums are added once, at the end.
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float& score = s[mt][nt][i];
+          score = exp2_fast(score * scale_log2 - m_scaled[mt][i / 2]);
+          row_sum[mt][i / 2] += score;
+        }
+
+        // O += P V: P from the S registers, V fragments from shared memory.
 #pragma unroll
     for (int ks = 0; ks < kOSteps; ++ks) {
       uint32_t a[kMTiles][4];

@@ -132,7 +132,8 @@ TEST_CASE("shape validation says what is wrong in one sentence") {
   CHECK(validate(s, {64}).find("multiple of heads_kv") != std::string::npos);
   s.heads_kv = 3;
   s.head_dim = 96;
-  CHECK(validate(s, {64, 128}) == "head_dim 96 is not supported by this chapter (supported: 64, 128).");
+  CHECK(validate(s, {64, 128}) ==
+        "head_dim 96 is not supported by this chapter (supported: 64, 128).");
   CHECK(validate(s, {}) == "");
   s.head_dim = 257;
   CHECK(validate(s, {}).find("not supported") != std::string::npos);
@@ -181,8 +182,8 @@ TEST_CASE("command line") {
 
 TEST_CASE("bf16 rounding is round-to-nearest-even on the 8th mantissa bit") {
   CHECK(round_to_bf16(1.0f) == 1.0f);
-  CHECK(round_to_bf16(1.0f + 1.0f / 256) == 1.0f);                  // tie, rounds to even
-  CHECK(round_to_bf16(1.0f + 3.0f / 256) == 1.0f + 4.0f / 256);     // tie, rounds to even
+  CHECK(round_to_bf16(1.0f + 1.0f / 256) == 1.0f);               // tie, rounds to even
+  CHECK(round_to_bf16(1.0f + 3.0f / 256) == 1.0f + 4.0f / 256);  // tie, rounds to even
   CHECK(round_to_bf16(1.0f + 1.0f / 256 + 1.0f / 4096) == 1.0f + 2.0f / 256);  // above the tie
   CHECK(round_to_bf16(-2.5f) == -2.5f);
   CHECK(std::isnan(round_to_bf16(NAN)));

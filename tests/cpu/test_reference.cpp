@@ -87,8 +87,8 @@ TEST_CASE("Eigen forward reference equals the loop definition") {
   // Square, seqlen_q > seqlen_k (rows that see no key when causal), seqlen_q < seqlen_k, GQA, and
   // more query rows than one Eigen row block (64) so the blocking is exercised.
   const AttentionShape shapes[] = {
-      make_shape(2, 4, 2, 7, 11, 5, false), make_shape(2, 4, 2, 7, 11, 5, true),
-      make_shape(1, 3, 1, 11, 7, 8, true),  make_shape(1, 2, 2, 130, 90, 16, true),
+      make_shape(2, 4, 2, 7, 11, 5, false),    make_shape(2, 4, 2, 7, 11, 5, true),
+      make_shape(1, 3, 1, 11, 7, 8, true),     make_shape(1, 2, 2, 130, 90, 16, true),
       make_shape(1, 2, 1, 90, 130, 16, false), make_shape(3, 1, 1, 1, 1, 3, true)};
   uint64_t seed = 10;
   for (const AttentionShape& s : shapes) {
@@ -228,7 +228,8 @@ TEST_CASE("decode reference equals the forward reference with one query row") {
     }
     const ForwardReference f = reference_forward(s, qb, kb, vb, all_heads(s));
     for (int i = 0; i < d.heads_q * d.head_dim; ++i)
-      CHECK(dec.o[size_t(b) * d.heads_q * d.head_dim + i] == doctest::Approx(f.o[i]).epsilon(1e-12));
+      CHECK(dec.o[size_t(b) * d.heads_q * d.head_dim + i] ==
+            doctest::Approx(f.o[i]).epsilon(1e-12));
     for (int h = 0; h < d.heads_q; ++h)
       CHECK(dec.lse[size_t(b) * d.heads_q + h] == doctest::Approx(f.lse[h]).epsilon(1e-12));
   }
@@ -261,7 +262,8 @@ TEST_CASE("paged decode reference equals decode on the same tokens, and ignores 
       if (page < 0) page = free_pages[next_page++];
       for (int h = 0; h < d.heads_kv; ++h)
         for (int c = 0; c < d.head_dim; ++c) {
-          const size_t dst = ((size_t(page) * page_size + t % page_size) * d.heads_kv + h) * d.head_dim + c;
+          const size_t dst =
+              ((size_t(page) * page_size + t % page_size) * d.heads_kv + h) * d.head_dim + c;
           const size_t src = ((size_t(b) * d.heads_kv + h) * d.max_seqlen_k + t) * d.head_dim + c;
           k_pages[dst] = k[src];
           v_pages[dst] = v[src];
