@@ -8,16 +8,7 @@
 
 namespace attn {
 
-AttentionShape default_shape() {
-  AttentionShape shape;
-  shape.batch = 4;
-  shape.heads_q = 16;
-  shape.heads_kv = 16;
-  shape.seqlen_q = 1024;
-  shape.seqlen_k = 1024;
-  shape.head_dim = 64;
-  return shape;
-}
+AttentionShape default_shape() { return make_shape(4, 16, 16, 1024, 1024, 64); }
 
 namespace {
 

@@ -1,6 +1,7 @@
 // The merge rule of the online softmax, as a small host function. Chapter 03 derives it, chapters
-// 04-09 run it inside their kernels, and the split-KV chapter will use it to combine the partial
-// results of several thread blocks; tests/cpu checks it against a direct softmax.
+// 04-09 run the same rule in their own device code, and the split-KV chapter will use it to
+// combine the partial results of several thread blocks; tests/cpu checks it against a direct
+// softmax.
 //
 // A partial state summarises a row's softmax over some subset of its keys:
 //   max = m = max_j s_j,   sum = l = sum_j exp(s_j - m),   acc = sum_j exp(s_j - m) * v_j
@@ -39,8 +40,11 @@ inline SoftmaxPartial merge(const SoftmaxPartial& a, const SoftmaxPartial& b) {
   return out;
 }
 
-// The state of one key with logit s and value row v.
+// The state of one key with logit s and value row v. A masked key (s = -inf) adds nothing: its
+// state is the empty one, with a zero accumulator.
 inline SoftmaxPartial single_key(double s, const std::vector<double>& v) {
+  if (s == -std::numeric_limits<double>::infinity())
+    return SoftmaxPartial{s, 0.0, std::vector<double>(v.size(), 0.0)};
   return SoftmaxPartial{s, 1.0, v};
 }
 

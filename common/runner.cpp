@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
@@ -41,8 +42,8 @@ std::string device_description() {
   CUDA_CHECK(cudaDriverGetVersion(&driver));
   std::ostringstream s;
   s << prop.name << " (sm_" << prop.major << prop.minor << ", " << prop.multiProcessorCount
-    << " SMs), CUDA runtime " << runtime / 1000 << "." << runtime % 1000 / 10 << ", driver "
-    << driver / 1000 << "." << driver % 1000 / 10;
+    << " SMs), CUDA runtime " << runtime / 1000 << "." << runtime % 1000 / 10
+    << ", driver for CUDA " << driver / 1000 << "." << driver % 1000 / 10;
   return s.str();
 }
 
@@ -118,6 +119,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
   if (options.check || !options.save_dir.empty()) {
     const std::vector<float> o = o_dev.download(), lse = lse_dev.download();
     if (!options.save_dir.empty()) {
+      std::filesystem::create_directories(options.save_dir);
       const size_t b = shape.batch, hq = shape.heads_q, hkv = shape.heads_kv;
       const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
       save_npy(options.save_dir + "/q.npy", q, {b, hq, sq, d});

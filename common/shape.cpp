@@ -17,6 +17,19 @@ std::string AttentionShape::describe() const {
   return s.str();
 }
 
+AttentionShape make_shape(int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
+                          int head_dim, bool causal) {
+  AttentionShape shape;
+  shape.batch = batch;
+  shape.heads_q = heads_q;
+  shape.heads_kv = heads_kv;
+  shape.seqlen_q = seqlen_q;
+  shape.seqlen_k = seqlen_k;
+  shape.head_dim = head_dim;
+  shape.causal = causal;
+  return shape;
+}
+
 double forward_flops(const AttentionShape& shape) {
   double flops =
       4.0 * shape.batch * shape.heads_q * double(shape.seqlen_q) * shape.seqlen_k * shape.head_dim;

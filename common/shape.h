@@ -42,6 +42,9 @@ struct AttentionShape {
   std::string describe() const;
 };
 
+AttentionShape make_shape(int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_k,
+                          int head_dim, bool causal = false);
+
 // Floating-point operations of the forward pass: 4 * B * Hq * Sq * Sk * D (two matrix products),
 // halved for causal, the convention of the FlashAttention papers.
 double forward_flops(const AttentionShape& shape);

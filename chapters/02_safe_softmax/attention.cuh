@@ -9,8 +9,9 @@
 //
 // softmax(s)_j = exp(s_j - m) / sum_k exp(s_k - m) for any m: the factor exp(-m) cancels. With
 // m = max_k s_k every exponent is <= 0, so exp() lies in (0, 1] and cannot overflow, and the sum
-// is at least 1 (the max itself contributes exp(0)), so nothing divides by zero either. The price
-// is one more pass over the row to find m. Chapter 03 folds that pass into the sum.
+// is at least 1 (the max itself contributes exp(0)) unless the row sees no key at all (then it is 0,
+// and the row outputs 0). The price is one more pass over the row to find m. Chapter 03 folds that
+// pass into the sum.
 #pragma once
 
 #include <cmath>

@@ -12,8 +12,8 @@
 //       m_i = m_new, l_i = l_new                                          device memory
 //
 // Device-memory traffic per head: K and V once, but Q_i, O_i, m_i, l_i once per key block, i.e.
-// about seqlen_k / kBlockN times: O(N^2 d / M) for shared memory M instead of chapter 03's
-// O(N^2) score matrix. The README measures both.
+// about seqlen_k / kBlockN times: N^2 d / Bc = O(N^2 d^2 / M) elements for shared memory M (since
+// Bc = M / 4d), instead of chapter 03's O(N^2) score matrix. The README measures both.
 //
 // Shared memory of one block (floats), kBlockM = Br query rows, kBlockN = Bc keys, d = head_dim:
 //

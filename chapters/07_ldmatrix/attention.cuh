@@ -66,8 +66,9 @@ constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
 // accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
-// holds kBlockN / 2 floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 16 + 128 at d = 128.
-// (64 keys at d = 128 make the compiler spill registers; measured, 32 keys cost about 2% less.)
+// holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
+// (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
+// faster than 32 keys, but no spills is the rule here.)
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16

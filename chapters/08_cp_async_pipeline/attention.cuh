@@ -14,8 +14,9 @@
 //   Q [128][d+8] | K buf 0 [N][d+8] | V buf 0 [N][d+8] | K buf 1 [N][d+8] | V buf 1 [N][d+8]
 //   d = 64, N = 128 keys: 92160 bytes;  d = 128, N = 32 keys: 69632 bytes
 //
-// Two blocks fit in the 228 KB of shared memory of an SM, and two is also what the registers
-// allow (2 x 128 threads x up to 255 registers of the 64K).
+// Two blocks per SM: at d = 64 that is what both the 228 KB of shared memory and the registers
+// allow (2 x 128 threads x 255 of the 64K registers); at d = 128 shared memory would take three,
+// and the registers (231 per thread) limit it to two.
 //
 // With the copies no longer staged through registers, d = 64 can take 128 keys per iteration
 // (chapter 07 could not: ptxas spilled 16 bytes there). Twice the keys halve the per-iteration
@@ -25,7 +26,7 @@
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
 // split of Q across warps: no warp needs another's results):
 //
-//   block of 128 query rows               K_j, V_j: 64 (d = 64) or 32 (d = 128) keys, in smem
+//   block of 128 query rows               K_j, V_j: 128 (d = 64) or 32 (d = 128) keys, in smem
 //   +--------------------+
 //   | warp 0: rows 0-31  |  S = Q K^T  (32 x keys, fp32 accumulators in registers)
 //   | warp 1: rows 32-63 |  online softmax on those registers (quad shuffles for max and sum)
@@ -86,9 +87,11 @@ constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
 // accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
-// holds kBlockN / 2 floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 16 + 128 at d = 128.
-// (64 keys at d = 128 make the compiler spill registers; measured, 32 keys cost about 2% less.)
-// From chapter 08 on, d = 64 takes 128 keys: 64 floats of S and 64 of O (see 08's top comment).
+// holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
+// (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
+// faster than 32 keys, but no spills is the rule here.)
+// From chapter 08 on, d = 64 takes 128 keys: 128 floats of S and 64 of O, 192 accumulators of
+// the 255 registers (see chapter 08's top comment).
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 128 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16

@@ -21,7 +21,7 @@
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
 // split of Q across warps: no warp needs another's results):
 //
-//   block of 128 query rows               K_j, V_j: 64 (d = 64) or 32 (d = 128) keys, in smem
+//   block of 128 query rows               K_j, V_j: 128 (d = 64) or 32 (d = 128) keys, in smem
 //   +--------------------+
 //   | warp 0: rows 0-31  |  S = Q K^T  (32 x keys, fp32 accumulators in registers)
 //   | warp 1: rows 32-63 |  online softmax on those registers (quad shuffles for max and sum)
@@ -56,7 +56,7 @@
 // So a thread holds two rows (g and g + 8) of each 16-row tile, and every row is spread over the
 // 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
 //
-// Loads: cp.async, double-buffered (above). Rows past the end of Q or K/V are zero-filled by the
+// Loads: cp.async, double-buffered (chapter 08). Rows past the end of Q or K/V are zero-filled by the
 // copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
 #pragma once
 
@@ -83,9 +83,11 @@ constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
 // accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
-// holds kBlockN / 2 floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 16 + 128 at d = 128.
-// (64 keys at d = 128 make the compiler spill registers; measured, 32 keys cost about 2% less.)
-// From chapter 08 on, d = 64 takes 128 keys: 64 floats of S and 64 of O (see 08's top comment).
+// holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
+// (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
+// faster than 32 keys, but no spills is the rule here.)
+// From chapter 08 on, d = 64 takes 128 keys: 128 floats of S and 64 of O, 192 accumulators of
+// the 255 registers (see chapter 08's top comment).
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 128 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16

@@ -77,6 +77,14 @@ TEST_CASE("a state that has seen no key is the identity of the merge, never NaN"
   CHECK(nothing.sum == 0.0);
   CHECK(log_sum_exp(nothing) == kNegInf);
   CHECK(finish(SoftmaxPartial{kNegInf, 0.0, {0.0, 0.0}}) == std::vector<double>{0.0, 0.0});
+  // A masked key is empty too: alone it finishes to zeros, merged it changes nothing.
+  const SoftmaxPartial masked = single_key(kNegInf, {7.0});
+  CHECK(masked.sum == 0.0);
+  CHECK(finish(masked) == std::vector<double>{0.0});
+  CHECK(log_sum_exp(masked) == kNegInf);
+  const SoftmaxPartial with_masked = merge(one, masked);
+  CHECK(with_masked.sum == 1.0);
+  CHECK(finish(with_masked)[0] == 2.0);
 }
 
 TEST_CASE("the comparison passes an exact answer and fails a wrong one") {
@@ -146,12 +154,7 @@ TEST_CASE("shape validation says what is wrong in one sentence") {
 }
 
 TEST_CASE("flops: 4 B H Sq Sk D, halved for causal") {
-  AttentionShape s;
-  s.batch = 2;
-  s.heads_q = 3;
-  s.seqlen_q = 5;
-  s.seqlen_k = 7;
-  s.head_dim = 11;
+  AttentionShape s = make_shape(2, 3, 1, 5, 7, 11);
   CHECK(forward_flops(s) == 4.0 * 2 * 3 * 5 * 7 * 11);
   s.causal = true;
   CHECK(forward_flops(s) == 2.0 * 2 * 3 * 5 * 7 * 11);

@@ -69,18 +69,6 @@ double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) 
   return m;
 }
 
-AttentionShape make_shape(int batch, int hq, int hkv, int sq, int sk, int d, bool causal) {
-  AttentionShape s;
-  s.batch = batch;
-  s.heads_q = hq;
-  s.heads_kv = hkv;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.head_dim = d;
-  s.causal = causal;
-  return s;
-}
-
 }  // namespace
 
 TEST_CASE("Eigen forward reference equals the loop definition") {

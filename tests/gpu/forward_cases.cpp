@@ -32,12 +32,7 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
   const int uneven_lengths[][2] = {{1, 129}, {129, 1}, {17, 63}, {65, 1000}, {1000, 65}, {127, 64}};
   for (int head_dim : tested_head_dims(chapter)) {
     for (bool causal : {false, true}) {
-      AttentionShape shape;
-      shape.batch = 2;
-      shape.heads_q = 3;
-      shape.heads_kv = 3;
-      shape.head_dim = head_dim;
-      shape.causal = causal;
+      AttentionShape shape = make_shape(2, 3, 3, 1, 1, head_dim, causal);
       for (int n : square_lengths) {
         shape.seqlen_q = shape.seqlen_k = n;
         add(shape);
@@ -63,14 +58,7 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
     }
   }
   // More (batch, head) pairs than gridDim.y or gridDim.z can hold.
-  AttentionShape many;
-  many.batch = 2100;
-  many.heads_q = 32;
-  many.heads_kv = 8;
-  many.seqlen_q = 3;
-  many.seqlen_k = 5;
-  many.head_dim = tested_head_dims(chapter).front();
-  add(many);
+  add(make_shape(2100, 32, 8, 3, 5, tested_head_dims(chapter).front()));
   return cases;
 }
 
