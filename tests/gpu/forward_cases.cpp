@@ -62,10 +62,6 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
   return cases;
 }
 
-RunReport run_case(const ForwardChapter& chapter, const ForwardCase& c) {
-  return run_forward(chapter, c.options);
-}
-
 std::string describe_failure(const RunReport& r) {
   std::ostringstream s;
   s << "O max abs err " << r.o.max_abs_err << " rel " << r.o.rel_err << " [" << r.o_tolerance.rule

@@ -21,9 +21,6 @@ struct ForwardCase {
 // 65535 (the limit of gridDim.y and gridDim.z). Every case draws fresh inputs from its own seed.
 std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter);
 
-// Runs one case through the same runner as the chapter binary (check on, timing off).
-RunReport run_case(const ForwardChapter& chapter, const ForwardCase& c);
-
 // One line for a failed case: shape, errors, first mismatches.
 std::string describe_failure(const RunReport& report);
 

@@ -20,7 +20,8 @@ TEST_CASE("forward pass matches the Eigen reference over the edge-case matrix") 
   const attn::ForwardChapter chapter = the_chapter();
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     INFO(chapter.name << ": " << c.name);
-    const attn::RunReport report = attn::test::run_case(chapter, c);
+    // The same runner as the chapter binary, with the check on and the timing off.
+    const attn::RunReport report = attn::run_forward(chapter, c.options);
     if (c.expect_pass) {
       CHECK_MESSAGE(report.passed, attn::test::describe_failure(report));
     } else {

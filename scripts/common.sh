@@ -1,5 +1,7 @@
-# Sourced by scripts/test and scripts/ladder: makes sure the build's dependencies are there.
-# As root on Debian/Ubuntu it installs what is missing; otherwise it prints the exact command.
+# Sourced by the scripts in this folder.
+
+# Makes sure the build's dependencies are there. As root on Debian/Ubuntu it installs what is
+# missing; otherwise it prints the exact command.
 
 ensure_dependencies() {
   local missing=()
@@ -24,4 +26,18 @@ ensure_dependencies() {
     echo "  sudo apt-get update && sudo apt-get install -y ${missing[*]}" >&2
     return 1
   fi
+}
+
+# Builds the chapters whose two-digit numbers are given (all when none are) and leaves their folder
+# names in the array `chapters`: build_chapters 08 09.
+build_chapters() {
+  chapters=()
+  local dir name
+  for dir in chapters/*/; do
+    name=$(basename "$dir")
+    if [ $# -eq 0 ] || [[ " $* " == *" ${name:0:2} "* ]]; then chapters+=("$name"); fi
+  done
+  [ ${#chapters[@]} -gt 0 ] || { echo "no chapter numbered $*" >&2; return 2; }
+  cmake --preset default >/dev/null
+  cmake --build --preset default -j "$(nproc)" --target "${chapters[@]}" >/dev/null
 }
