@@ -7,8 +7,7 @@
 
 namespace attn {
 namespace {
-size_t g_in_use = 0;
-size_t g_peak = 0;
+size_t g_in_use = 0;  // bytes currently allocated through device_allocate
 
 std::string gigabytes(size_t bytes) {
   char text[32];
@@ -16,10 +15,6 @@ std::string gigabytes(size_t bytes) {
   return text;
 }
 }  // namespace
-
-size_t device_bytes_in_use() { return g_in_use; }
-size_t device_bytes_peak() { return g_peak; }
-void reset_device_bytes_peak() { g_peak = g_in_use; }
 
 void* device_allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
@@ -37,7 +32,6 @@ void* device_allocate(size_t bytes) {
   }
   CUDA_CHECK(status);
   g_in_use += bytes;
-  if (g_in_use > g_peak) g_peak = g_in_use;
   return ptr;
 }
 

@@ -1,5 +1,5 @@
-// Device memory that frees itself. Every allocation is counted, so a chapter's report can say how
-// many bytes of device memory the run took (inputs, outputs and the chapter's workspace).
+// Device memory that frees itself. Allocations are counted, so that running out of device memory
+// can say how much the run already holds.
 #pragma once
 
 #include <cstddef>
@@ -14,11 +14,6 @@ namespace attn {
 struct OutOfDeviceMemory : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-// Bytes currently allocated through DeviceBuffer, and the most ever at one time.
-size_t device_bytes_in_use();
-size_t device_bytes_peak();
-void reset_device_bytes_peak();
 
 void* device_allocate(size_t bytes);  // throws OutOfDeviceMemory with the sizes in its message
 void device_free(void* ptr, size_t bytes) noexcept;
