@@ -67,9 +67,12 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
     for ax, (head_dim, causal) in zip(axes[0], panels):
         panel = [r for r in rows if r["head_dim"] == head_dim and r["causal"] == causal]
-        for chapter in sorted({r["chapter"] for r in panel}):
+        colors = plt.get_cmap("tab20")  # one colour per chapter: the default cycle has only 10
+        for i, chapter in enumerate(sorted({r["chapter"] for r in rows})):
             points = sorted((r["seqlen"], r["tflops"]) for r in panel if r["chapter"] == chapter)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=chapter)
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                        color=colors(i % 20), label=chapter)
         for peer, style in (("fa2", "k--"), ("cudnn", "k:")):
             points = sorted({(r["seqlen"], r[peer]) for r in panel if r[peer] == r[peer]})
             if points:

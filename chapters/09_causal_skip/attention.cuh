@@ -56,8 +56,8 @@
 // So a thread holds two rows (g and g + 8) of each 16-row tile, and every row is spread over the
 // 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
 //
-// Loads: cp.async, double-buffered (chapter 08). Rows past the end of Q or K/V are zero-filled by the
-// copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
+// Loads: cp.async, double-buffered (chapter 08). Rows past the end of Q or K/V are zero-filled by
+// the copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
 #pragma once
 
 #include <cmath>
