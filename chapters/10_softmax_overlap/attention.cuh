@@ -31,8 +31,9 @@
 //                                  softmax -> P1        softmax -> P2
 //
 // Registers per thread at d = 128 (32 keys): O 128, S_j 32, P_{j-1} 16 (bf16 pairs), plus the
-// fragments and addresses: 254 of 255, no spills. At d = 64, 128 keys would need 64 + 128 + 64
-// before any fragment, so d = 64 goes back to 64 keys per iteration.
+// fragments and addresses: 254 of 255, no spills. At d = 64 with 128 keys the overlap would
+// need 64 + 128 + 64 before any fragment; ptxas then schedules the loop without it (all MMAs of
+// S first, the whole softmax after), so d = 64 goes back to 64 keys per iteration.
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
@@ -97,14 +98,15 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;   // mma.sync.m16n8k16
 constexpr int kMTiles = 2;                         // 16-row MMA tiles per warp
 constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
-// Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
+// Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (the
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
 // accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
 // holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
 // (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
 // faster than 32 keys, but no spills is the rule here.)
 // Chapters 08 and 09 gave d = 64 128 keys: 128 floats of S and 64 of O. Here P of the previous
-// block stays in registers beside them (see the top), so d = 64 is back at 64 keys.
+// block would stay in registers beside them (see the top); 128 keys still compile without
+// spills, but only because ptxas then drops the overlap. So d = 64 is back at 64 keys.
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16

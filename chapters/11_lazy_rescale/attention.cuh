@@ -19,12 +19,11 @@
 //    warp takes or skips as a unit. The FlashAttention-4 work on Blackwell introduced this
 //    (rescale only when the max changed enough to matter for stability); see the README.
 //
-// 2. A cheaper loader. With the 128 multiplies behind a branch, the compiler keeps fewer values
-//    live across the MMAs, and the registers freed pay for a better cp.async loader: one address
-//    per tile and constant offsets for the rest, with the per-row bounds checks only on a tile
-//    that runs past the end (chapter 10's loader checked and clamped every row of every tile).
-//    In chapter 10 this loader made ptxas spill; here it fits (250 registers at d = 128, no
-//    spills).
+// 2. A cheaper loader: one address per tile and constant offsets for the rest, with the per-row
+//    bounds checks only on a tile that runs past the end (chapter 10's loader checked and
+//    clamped every row of every tile). In chapter 10 this loader made ptxas spill (92 bytes at
+//    d = 128); with the rescale behind a branch the loop is scheduled differently and it fits
+//    (250 registers at d = 128, no spills).
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
@@ -89,14 +88,15 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;   // mma.sync.m16n8k16
 constexpr int kMTiles = 2;                         // 16-row MMA tiles per warp
 constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
-// Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
+// Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (the
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
 // accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
 // holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
 // (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
 // faster than 32 keys, but no spills is the rule here.)
 // Chapters 08 and 09 gave d = 64 128 keys: 128 floats of S and 64 of O. Here P of the previous
-// block stays in registers beside them (see the top), so d = 64 is back at 64 keys.
+// block would stay in registers beside them (see the top); 128 keys still compile without
+// spills, but only because ptxas then drops the overlap. So d = 64 is back at 64 keys.
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads)
   float o_acc[kMTiles][kOTiles][4] = {};
   float row_max[kMTiles][2], row_sum[kMTiles][2];
   // row_max is the reference the exponents are taken against: the row's true max, or at most
-  // kRescaleThreshold below it (see the top).
+  // kRescaleThreshold / scale_log2 below it (see the top).
   // Carried from one iteration to the next: the rescale that O still owes (alpha of the last
   // softmax; rescale_pending says whether there is one for this warp) and the last block's P,
   // already packed as the A fragments of P V.
@@ -421,11 +421,13 @@ __global__ void __launch_bounds__(kThreads)
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
-    // 2. The new running max. The reference moves to it only if, in some row of the warp, it
-    //    grew by more than kRescaleThreshold; then every row of the warp moves (alpha <= 1) and O
-    //    is rescaled at the start of the next iteration. Otherwise alpha = 1 and nothing is owed.
-    //    A row whose max is still -inf (every key so far masked) gives NaN in the test, which is
-    //    false; a first finite max after -inf gives +inf, which is true.
+    // 2. m_new = max(reference, this block's max). The reference moves to it only if, in some row
+    //    of the warp, it lies more than kRescaleThreshold above the reference; then every row of
+    //    the warp moves (alpha <= 1) and O is rescaled at the start of the next iteration.
+    //    Otherwise alpha is set to exactly 1 and nothing is owed: computing it would give 1 plus
+    //    a rounding error (m_scaled holds the product rounded, the fused multiply-add below does
+    //    not), applied to l but not to O. A row whose max is still -inf (every key so far masked)
+    //    gives NaN in the test, which is false; a first finite max after -inf gives +inf, true.
     float m_new[kMTiles][2];
     bool grew = false;
 #pragma unroll
@@ -443,7 +445,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int half = 0; half < 2; ++half) {
         const float m_ref = rescale_pending ? m_new[mt][half] : row_max[mt][half];
         m_scaled[mt][half] = m_ref == -INFINITY ? 0.0f : m_ref * scale_log2;
-        alpha[mt][half] = exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]);
+        alpha[mt][half] =
+            rescale_pending ? exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]) : 1.0f;
         row_max[mt][half] = m_ref;
         row_sum[mt][half] *= alpha[mt][half];
       }
@@ -540,8 +543,8 @@ inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
 
 inline attn::ForwardChapter chapter() {
   return {"11_lazy_rescale",
-          "chapter 10 with O rescaled only when a row max grows by more than 2^8, and a loader "
-          "that checks rows only on the last tile",
+          "chapter 10 with O rescaled only when a row max outgrows its reference by more than 8 "
+          "(log2), and a loader that checks rows only on the last tile",
           attn::DType::kBF16,
           {64, 128},
           80,
