@@ -1,13 +1,14 @@
 // Chapter 11: rescale only when the max has grown. Chapter 10's kernel with two changes, the
 // second made possible by the first.
 //
-// 1. Lazy rescaling. The online softmax rescales O by alpha = exp2((m_old - m_new) * scale_log2)
-//    whenever a row's max grows: kHeadDim multiplies per row and block (128 per thread per
-//    iteration at d = 128, a fifth of the loop's instructions). But the max the exponents are
-//    taken against does not have to be the true max. Any reference m' works, as long as exp2(s -
-//    m') cannot overflow, because O and l are both relative to the same m' and the final O / l
-//    and the LSE (m' + log2 l) come out the same. So the reference now moves only when some row's
-//    max has grown by more than kRescaleThreshold = 8 (in the log2 domain, after the scale):
+// 1. Lazy rescaling. Chapter 10 rescales O by alpha = exp2((m_old - m_new) * scale_log2) on every
+//    block of keys (alpha = 1 when no max grew): kHeadDim multiplies per row and block (128 per
+//    thread per iteration at d = 128, a fifth of the loop's instructions). But the max the
+//    exponents are taken against does not have to be the true max. Any reference m' works, as long
+//    as exp2(s - m') cannot overflow, because O and l are both relative to the same m' and the
+//    final O / l and the LSE (m' + log2 l) come out the same. So the reference now moves only when
+//    some row's max has grown by more than kRescaleThreshold = 8 (in the log2 domain, after the
+//    scale):
 //
 //      row max so far    3.0   5.0   9.5   11.5  12.5   (scaled, log2 units)
 //      reference m'      3.0   3.0   3.0   11.5  11.5   moves when max - m' > 8: rescale
@@ -23,7 +24,7 @@
 //    bounds checks only on a tile that runs past the end (chapter 10's loader checked and
 //    clamped every row of every tile). In chapter 10 this loader made ptxas spill (92 bytes at
 //    d = 128); with the rescale behind a branch the loop is scheduled differently and it fits
-//    (250 registers at d = 128, no spills).
+//    (253 registers at d = 128, no spills).
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
@@ -226,8 +227,8 @@ __device__ float quad_sum(float x) {
 // Starts copying rows [row0, row0 + kRows) of a [rows_total][kHeadDim] bf16 matrix into a padded
 // shared tile, 16 bytes (8 bf16) per copy; rows past the end become zeros. Each pass of the block
 // covers kRowsPerPass whole rows, so a thread's copies sit at constant offsets from its first:
-// one address computation per tile, the rest are immediate offsets in the instructions. Only a
-// tile that runs past the end checks its rows.
+// one address computation per tile, and ptxas folds the offsets into the instructions where it
+// can. Only a tile that runs past the end checks its rows.
 template <int kRows, int kHeadDim>
 __device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int rows_total) {
   constexpr int kChunksPerRow = kHeadDim / 8;
