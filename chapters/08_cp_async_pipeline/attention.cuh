@@ -16,7 +16,7 @@
 //
 // Two blocks per SM: at d = 64 that is what both the 228 KB of shared memory and the registers
 // allow (2 x 128 threads x 255 of the 64K registers); at d = 128 shared memory would take three,
-// and the registers (231 per thread) limit it to two.
+// and the registers (232 per thread) limit it to two.
 //
 // With the copies no longer staged through registers, d = 64 can take 128 keys per iteration
 // (chapter 07 could not: ptxas spilled 16 bytes there). Twice the keys halve the per-iteration
@@ -351,7 +351,10 @@ __global__ void __launch_bounds__(kThreads)
     // 2. The new running max, and alpha = exp2((m_old - m_new) * scale_log2), which rescales
     //    everything accumulated under the old max: the running sum and the output. A row with
     //    every key so far masked keeps m = -inf; subtracting 0 instead gives exp2(-inf) = 0 for
-    //    its masked scores rather than exp2(-inf + inf) = NaN.
+    //    its masked scores rather than exp2(-inf + inf) = NaN. When the max did not move, alpha
+    //    is exactly 1: computed, it would be 1 plus a rounding error (m_scaled is the product
+    //    rounded, the fused multiply-add below is not), multiplying l and O on every block. O / l
+    //    cancels it, the LSE (m + log2 l) does not: after a million keys it was 4e-3 off.
     float m_scaled[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -359,7 +362,9 @@ __global__ void __launch_bounds__(kThreads)
       for (int half = 0; half < 2; ++half) {
         const float m_new = fmaxf(row_max[mt][half], quad_max(block_max[mt][half]));
         m_scaled[mt][half] = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
-        const float alpha = exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]);
+        const float alpha = m_new == row_max[mt][half]
+                                ? 1.0f
+                                : exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]);
         row_max[mt][half] = m_new;
         row_sum[mt][half] *= alpha;
 #pragma unroll

@@ -31,7 +31,7 @@
 //                                  softmax -> P1        softmax -> P2
 //
 // Registers per thread at d = 128 (32 keys): O 128, S_j 32, P_{j-1} 16 (bf16 pairs), plus the
-// fragments and addresses: 254 of 255, no spills. At d = 64 with 128 keys the overlap would
+// fragments and addresses: 255 of 255, no spills. At d = 64 with 128 keys the overlap would
 // need 64 + 128 + 64 before any fragment; ptxas then schedules the loop without it (all MMAs of
 // S first, the whole softmax after), so d = 64 goes back to 64 keys per iteration.
 //
@@ -414,7 +414,8 @@ __global__ void __launch_bounds__(kThreads)
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
-    // 2. The new running max and alpha (applied to O at the start of the next iteration).
+    // 2. The new running max and alpha (applied to O at the start of the next iteration); alpha
+    //    is exactly 1 when the max did not move, as in chapter 06.
     float m_scaled[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -422,7 +423,9 @@ __global__ void __launch_bounds__(kThreads)
       for (int half = 0; half < 2; ++half) {
         const float m_new = fmaxf(row_max[mt][half], quad_max(block_max[mt][half]));
         m_scaled[mt][half] = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
-        alpha[mt][half] = exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]);
+        alpha[mt][half] = m_new == row_max[mt][half]
+                              ? 1.0f
+                              : exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]);
         row_max[mt][half] = m_new;
         row_sum[mt][half] *= alpha[mt][half];
       }
