@@ -19,12 +19,20 @@
 //    The decision is taken for the whole warp (__any_sync), so the rescale is one branch that a
 //    warp takes or skips as a unit. The FlashAttention-4 work on Blackwell introduced this
 //    (rescale only when the max changed enough to matter for stability); see the README.
+//    Two consequences shape the loop:
+//    - P no longer waits for the block's max. The max only decides whether the reference moves,
+//      so P is computed against the reference the row has, while the max and its shuffles are
+//      still on their way, and computed a second time on the rare block that moves it.
+//    - Nothing is rescaled on the other blocks, not even by an alpha of 1 that came out as 1 plus
+//      a rounding error: l and O stay relative to the same reference exactly. The reference is
+//      kept already multiplied by scale_log2 (m_ref), so the exponent is one fused multiply-add
+//      and alpha, when it is needed, a plain difference of two floats.
 //
 // 2. A cheaper loader: one address per tile and constant offsets for the rest, with the per-row
 //    bounds checks only on a tile that runs past the end (chapter 10's loader checked and
 //    clamped every row of every tile). In chapter 10 this loader made ptxas spill (92 bytes at
 //    d = 128); with the rescale behind a branch the loop is scheduled differently and it fits
-//    (253 registers at d = 128, no spills).
+//    (255 registers at d = 128, 246 at d = 64, no spills).
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
@@ -111,6 +119,9 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 // The reference max of a row moves only when the row's max has grown past it by more than this
 // (log2 units, after the scale): every exp2 argument stays <= 8, every p <= 256 (see the top).
 constexpr float kRescaleThreshold = 8.0f;
+// The reference of a row that has seen no finite score yet: finite (so that exp2(s - m_ref) and
+// m_old - m_new never meet inf - inf) and far below any score times scale_log2.
+constexpr float kNoReference = -1.0e30f;
 
 constexpr int kStages = 2;  // shared-memory buffers for K, and for V: one in use, one being filled
 // Causal query blocks differ in work: the last sees every key, the first only its diagonal.
@@ -282,7 +293,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t batch_head = blockIdx.x / num_q_blocks;
   const int64_t batch = batch_head / shape.heads_q;
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
-  const int64_t q_row0 = batch_head * shape.seqlen_q;
+  // First row of this (batch, head) in Q, O and LSE. An int (a row count that fits in 31 bits
+  // would need 256 GB of Q at d = 64) saves the register that ptxas would otherwise spill.
+  const int q_row0 = int(batch_head * shape.seqlen_q);
   const bf16* k_head = k + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
   const bf16* v_head = v + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
   const int q_start = q_block * kBlockM;
@@ -312,34 +325,22 @@ __global__ void __launch_bounds__(kThreads)
   const int num_unmasked_blocks = max(0, unmasked_end) / kBlockN;
 
   // Prologue: Q and the first K in one group (V_0 is copied during iteration 0).
-  load_tile_async<kBlockM, kHeadDim>(q_tile, q + q_row0 * kHeadDim, q_start, shape.seqlen_q);
+  load_tile_async<kBlockM, kHeadDim>(q_tile, q + int64_t(q_row0) * kHeadDim, q_start,
+                                     shape.seqlen_q);
   if (num_kv_blocks > 0) load_k(0);
   cp_async_commit();
 
   // Per thread: rows g and g + 8 of each of its kMTiles tiles ([mt][half]).
   float o_acc[kMTiles][kOTiles][4] = {};
-  float row_max[kMTiles][2], row_sum[kMTiles][2];
-  // row_max is the reference the exponents are taken against: the row's true max, or at most
-  // kRescaleThreshold / scale_log2 below it (see the top).
-  // Carried from one iteration to the next: the rescale that O still owes (alpha of the last
-  // softmax; rescale_pending says whether there is one for this warp) and the last block's P,
-  // already packed as the A fragments of P V.
-  float alpha[kMTiles][2];
-  bool rescale_pending = false;
+  // m_ref is the reference the exponents are taken against, already times scale_log2: the row's
+  // max so far, or at most kRescaleThreshold below it (see the top).
+  float m_ref[kMTiles][2], row_sum[kMTiles][2];
+  // Carried from one iteration to the next: the last block's P, already packed as the A
+  // fragments of P V.
   uint32_t p[kOSteps][kMTiles][4];
   for (int mt = 0; mt < kMTiles; ++mt)
-    for (int half = 0; half < 2; ++half)
-      row_max[mt][half] = -INFINITY, row_sum[mt][half] = 0.0f, alpha[mt][half] = 1.0f;
+    for (int half = 0; half < 2; ++half) m_ref[mt][half] = kNoReference, row_sum[mt][half] = 0.0f;
 
-  // O *= alpha, for the rows of each half of the accumulator fragments.
-  auto rescale_o = [&] {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int dt = 0; dt < kOTiles; ++dt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] *= alpha[mt][i / 2];
-  };
   // O += P V for the P held in registers and block kv_block's V.
   auto accumulate_pv = [&](int kv_block) {
 #pragma unroll
@@ -371,8 +372,7 @@ __global__ void __launch_bounds__(kThreads)
     load_v(kv_block);
     cp_async_commit();
 
-    // The rescale owed since the last softmax, if the reference moved, then S = Q K^T.
-    if (kPrevious && rescale_pending) rescale_o();
+    // S = Q K^T.
     float s[kMTiles][kSTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kSSteps; ++ks) {
@@ -391,12 +391,12 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    // O += P_{j-1} V_{j-1}. Nothing below depends on it: the softmax of S_j interleaves with
-    // these MMAs.
+    // O += P_{j-1} V_{j-1}. Only the rare rescale below depends on it: the softmax of S_j
+    // interleaves with these MMAs.
     if (kPrevious) accumulate_pv(kv_block - 1);
 
-    // Online softmax of S_j, as in chapter 09, except that O's rescale is left for the next
-    // iteration (alpha is kept) and P goes straight into bf16 A fragments.
+    // Online softmax of S_j with a lazy reference (see the top); P goes straight into bf16 A
+    // fragments.
     // 1. Mask, then the row max of the block.
     int limit[kMTiles][2];
     float block_max[kMTiles][2];
@@ -422,54 +422,77 @@ __global__ void __launch_bounds__(kThreads)
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
-    // 2. m_new = max(reference, this block's max). The reference moves to it only if, in some row
-    //    of the warp, it lies more than kRescaleThreshold above the reference; then every row of
-    //    the warp moves (alpha <= 1) and O is rescaled at the start of the next iteration.
-    //    Otherwise alpha is set to exactly 1 and nothing is owed: computing it would give 1 plus
-    //    a rounding error (m_scaled holds the product rounded, the fused multiply-add below does
-    //    not), applied to l but not to O. A row whose max is still -inf (every key so far masked)
-    //    gives NaN in the test, which is false; a first finite max after -inf gives +inf, true.
-    float m_new[kMTiles][2];
+    // 2. The check: does this block's max lie more than kRescaleThreshold above the reference,
+    //    in some row of the warp? (A row whose scores so far were all -inf holds kNoReference,
+    //    which any finite score is far above.)
+    float block_max_scaled[kMTiles][2];
     bool grew = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        m_new[mt][half] = fmaxf(row_max[mt][half], quad_max(block_max[mt][half]));
-        grew |= (m_new[mt][half] - row_max[mt][half]) * scale_log2 > kRescaleThreshold;
+        block_max_scaled[mt][half] = quad_max(block_max[mt][half]) * scale_log2;
+        grew |= block_max_scaled[mt][half] - m_ref[mt][half] > kRescaleThreshold;
       }
-    rescale_pending = __any_sync(kFullWarp, grew);
-    float m_scaled[kMTiles][2];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float m_ref = rescale_pending ? m_new[mt][half] : row_max[mt][half];
-        m_scaled[mt][half] = m_ref == -INFINITY ? 0.0f : m_ref * scale_log2;
-        alpha[mt][half] =
-            rescale_pending ? exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]) : 1.0f;
-        row_max[mt][half] = m_ref;
-        row_sum[mt][half] *= alpha[mt][half];
-      }
-    }
+    const bool move = __any_sync(kFullWarp, grew);
 
-    // 3. P = exp2(s * scale_log2 - m_scaled), its partial row sums, and P packed to bf16: the
-    //    fp32 scores die here, and the packed P is what the next iteration multiplies by V.
+    // 3. P = exp2(s * scale_log2 - m_ref) against the reference the row already has, its partial
+    //    row sums, and P packed to bf16 (what the next iteration multiplies by V). This does not
+    //    wait for the check: the reference almost never moves, so P is computed as if it did
+    //    not, and computed again on the rare block where it did (step 4). Against kNoReference a
+    //    finite score gives inf here, but such a block always moves; -inf scores give 0.
+    float block_sum[kMTiles][2];
+    auto exponentiate = [&] {
 #pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt)
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        float e[4];
+        for (int half = 0; half < 2; ++half) block_sum[mt][half] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          e[i] = exp2_fast(s[mt][nt][i] * scale_log2 - m_scaled[mt][i / 2]);
-          row_sum[mt][i / 2] += e[i];
+      for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          float e[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            e[i] = exp2_fast(s[mt][nt][i] * scale_log2 - m_ref[mt][i / 2]);
+            block_sum[mt][i / 2] += e[i];
+          }
+          // Keys nt * 8 .. nt * 8 + 7 are the low (even nt) or high (odd nt) half of the 16 keys
+          // of A fragment nt / 2: a0, a1 or a2, a3 (chapter 06's fragment note).
+          p[nt / 2][mt][2 * (nt % 2)] = pack(e[0], e[1]);
+          p[nt / 2][mt][2 * (nt % 2) + 1] = pack(e[2], e[3]);
         }
-        // Keys nt * 8 .. nt * 8 + 7 are the low (even nt) or high (odd nt) half of the 16 keys
-        // of A fragment nt / 2: a0, a1 or a2, a3 (chapter 06's fragment note).
-        p[nt / 2][mt][2 * (nt % 2)] = pack(e[0], e[1]);
-        p[nt / 2][mt][2 * (nt % 2) + 1] = pack(e[2], e[3]);
-      }
+    };
+    exponentiate();
+
+    // 4. The rare block: every row of the warp moves its reference to max(reference, block max),
+    //    l and O are rescaled by alpha = exp2(m_old - m_new) <= 1 right here, and P is computed
+    //    again. On every other block nothing is rescaled at all: l and O stay relative to the
+    //    same reference exactly. O holds P_{j-1} V_{j-1} by now (the MMAs above), which is
+    //    relative to the old reference too: the rescale waits for them, on the rare block only.
+    if (move) {
+      float alpha[kMTiles][2];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float m_new = fmaxf(m_ref[mt][half], block_max_scaled[mt][half]);
+          alpha[mt][half] = exp2_fast(m_ref[mt][half] - m_new);
+          m_ref[mt][half] = m_new;
+          row_sum[mt][half] *= alpha[mt][half];
+        }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kOTiles; ++dt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] *= alpha[mt][i / 2];
+      exponentiate();
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) row_sum[mt][half] += block_sum[mt][half];
   };
 
   if (num_kv_blocks > 0) {
@@ -484,12 +507,11 @@ __global__ void __launch_bounds__(kThreads)
     // The last block's P V: its V was copied during the last iteration.
     cp_async_wait<0>();
     __syncthreads();
-    if (rescale_pending) rescale_o();
     accumulate_pv(num_kv_blocks - 1);
   }
   cp_async_wait<0>();  // a block that saw no key skipped the loop: let its Q copy finish
 
-  // O = o_acc / l and LSE = (m * scale_log2 + log2 l) / log2 e, for the rows that exist.
+  // O = o_acc / l and LSE = (m_ref + log2 l) / log2 e, for the rows that exist.
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -498,15 +520,14 @@ __global__ void __launch_bounds__(kThreads)
       const int query = q_start + warp_row0 + mt * kMmaM + g + 8 * half;
       if (query >= shape.seqlen_q) continue;
       const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw no key outputs 0
-      bf16* o_row = o + (q_row0 + query) * kHeadDim;
+      bf16* o_row = o + int64_t(q_row0 + query) * kHeadDim;
 #pragma unroll
       for (int dt = 0; dt < kOTiles; ++dt) {
         *reinterpret_cast<__nv_bfloat162*>(o_row + dt * kMmaN + 2 * t) = __floats2bfloat162_rn(
             o_acc[mt][dt][2 * half] * inv_l, o_acc[mt][dt][2 * half + 1] * inv_l);
       }
       if (t == 0)
-        lse[q_row0 + query] =
-            l > 0.0f ? (row_max[mt][half] * scale_log2 + log2f(l)) / kLog2e : -INFINITY;
+        lse[q_row0 + query] = l > 0.0f ? (m_ref[mt][half] + log2f(l)) / kLog2e : -INFINITY;
     }
   }
 }
