@@ -26,7 +26,7 @@
 //    - Nothing is rescaled on the other blocks, not even by an alpha of 1 that came out as 1 plus
 //      a rounding error: l and O stay relative to the same reference exactly. The reference is
 //      kept already multiplied by scale_log2 (m_ref), so the exponent is one fused multiply-add
-//      and alpha, when it is needed, a plain difference of two floats.
+//      and alpha, when it is needed, exp2 of a plain difference of two floats.
 //
 // 2. A cheaper loader: one address per tile and constant offsets for the rest, with the per-row
 //    bounds checks only on a tile that runs past the end (chapter 10's loader checked and
@@ -98,14 +98,15 @@ constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;   // mma.sync.m16n8k16
 constexpr int kMTiles = 2;                         // 16-row MMA tiles per warp
 constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (the
-// barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
+// barriers, the loop's bookkeeping) over more math, as long as the S
 // accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
 // holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
 // (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
 // faster than 32 keys, but no spills is the rule here.)
-// Chapters 08 and 09 gave d = 64 128 keys: 128 floats of S and 64 of O. Here P of the previous
-// block would stay in registers beside them (see the top); 128 keys still compile without
-// spills, but only because ptxas then drops the overlap. So d = 64 is back at 64 keys.
+// Chapters 08 and 09 gave d = 64 128 keys: 128 floats of S and 64 of O. Since chapter 10, P of
+// the previous block stays in registers beside them (the loop is skewed by one block); 128 keys
+// still compile without spills, but only because ptxas then drops that overlap. So d = 64 stays
+// at 64 keys.
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16
@@ -117,7 +118,8 @@ constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 // The reference max of a row moves only when the row's max has grown past it by more than this
-// (log2 units, after the scale): every exp2 argument stays <= 8, every p <= 256 (see the top).
+// (log2 units, after the scale): every P that is kept has exp2 arguments <= 8, every p <= 256
+// (see the top).
 constexpr float kRescaleThreshold = 8.0f;
 // The reference of a row that has seen no finite score yet: finite (so that exp2(s - m_ref) and
 // m_old - m_new never meet inf - inf) and far below any score times scale_log2.
@@ -293,8 +295,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t batch_head = blockIdx.x / num_q_blocks;
   const int64_t batch = batch_head / shape.heads_q;
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
-  // First row of this (batch, head) in Q, O and LSE. An int (a row count that fits in 31 bits
-  // would need 256 GB of Q at d = 64) saves the register that ptxas would otherwise spill.
+  // First row of this (batch, head) in Q, O and LSE, as an int: it saves the register that ptxas
+  // would otherwise spill. 2^31 rows do not fit in a GPU (Q alone would be 256 GiB at d = 64), so
+  // the runner's allocation fails long before this could overflow.
   const int q_row0 = int(batch_head * shape.seqlen_q);
   const bf16* k_head = k + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
   const bf16* v_head = v + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
@@ -489,6 +492,7 @@ __global__ void __launch_bounds__(kThreads)
           for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] *= alpha[mt][i / 2];
       exponentiate();
     }
+    // 5. l += this block's share.
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
