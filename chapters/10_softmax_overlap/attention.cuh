@@ -3,6 +3,8 @@
 // stretch of straight-line code, O += P_{j-1} V_{j-1} for the block before it. The softmax of S_j
 // does not depend on that second product, so the compiler interleaves them: the max, exp2 and
 // sum instructions of block j issue between the MMAs of block j - 1.
+// (One smaller change rides along: alpha is made exactly 1 by rounding both products alike, with
+// rows starting at kNoMax instead of -inf, rather than by chapter 06's select; see step 2.)
 //
 //   chapter 09, one warp:  | S_j MMAs | softmax_j (MMAs idle) | P_j V_j MMAs |  S_j+1 MMAs | ...
 //   chapter 10, one warp:  | O *= alpha_j-1, S_j MMAs | softmax_j with P_j-1 V_j-1 MMAs |  ...
