@@ -97,6 +97,10 @@ constexpr int kBlockNFor = kHeadDim == 64 ? 128 : 32;
 // aligned for ldmatrix, so 16 is also the smallest padding that works.
 constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
+// The running max (times scale_log2) of a row that has seen no finite score yet: finite, and far
+// below any score times scale_log2. Masked scores give exp2(-inf - kNoMax) = 0, and the first
+// finite max gives alpha = exp2(kNoMax - m_new) = 0 on an l and O that are still 0.
+constexpr float kNoMax = -1.0e30f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 constexpr int kStages = 2;  // shared-memory buffers for K and V: one in use, one being filled
@@ -288,9 +292,10 @@ __global__ void __launch_bounds__(kThreads)
 
   // Per thread: rows g and g + 8 of each of its kMTiles tiles ([mt][half]).
   float o_acc[kMTiles][kOTiles][4] = {};
-  float row_max[kMTiles][2], row_sum[kMTiles][2];
+  // m_scaled: the row's running max times scale_log2 (the exponents' units); row_sum: l.
+  float m_scaled[kMTiles][2], row_sum[kMTiles][2];
   for (int mt = 0; mt < kMTiles; ++mt)
-    for (int half = 0; half < 2; ++half) row_max[mt][half] = -INFINITY, row_sum[mt][half] = 0.0f;
+    for (int half = 0; half < 2; ++half) m_scaled[mt][half] = kNoMax, row_sum[mt][half] = 0.0f;
 
   // One iteration of the key loop, written once and compiled twice: with kMasked false the mask
   // code is not there at all, so the blocks below the diagonal pay nothing for it.
@@ -360,24 +365,21 @@ __global__ void __launch_bounds__(kThreads)
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
-    // 2. The new running max, and alpha = exp2((m_old - m_new) * scale_log2), which rescales
-    //    everything accumulated under the old max: the running sum and the output. A row with
-    //    every key so far masked keeps m = -inf; subtracting 0 instead gives exp2(-inf) = 0 for
-    //    its masked scores rather than exp2(-inf + inf) = NaN. When the max did not move, alpha
-    //    is exactly 1: computed, it would be 1 plus a rounding error (m_scaled is the product
-    //    rounded, the fused multiply-add below is not), multiplying l and O on every block. O / l
-    //    cancels it, the LSE (m + log2 l) does not: after a million keys it was 4e-3 off.
-    float m_scaled[kMTiles][2];
+        // 2. The new running max, and alpha = exp2(m_old - m_new), which rescales everything
+        //    accumulated under the old max: the running sum and the output.
+        //    The max is kept times scale_log2 (rounding keeps the order of numbers, so the max of
+        //    the products is the product of the max): when it did not move, m_old and m_new are
+        //    the same float and alpha is exactly 1. It must be: 1 plus a rounding error on every
+        //    block would multiply l and O, and O / l cancels it but the LSE (m + log2 l) does not
+        //    (after a million keys it was 4e-3 off). A row that has seen no finite score holds
+        //    kNoMax instead of -inf, so m_old - m_new is never inf - inf (NaN).
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float m_new = fmaxf(row_max[mt][half], quad_max(block_max[mt][half]));
-        m_scaled[mt][half] = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
-        const float alpha = m_new == row_max[mt][half]
-                                ? 1.0f
-                                : exp2_fast(row_max[mt][half] * scale_log2 - m_scaled[mt][half]);
-        row_max[mt][half] = m_new;
+        const float m_new = fmaxf(m_scaled[mt][half], quad_max(block_max[mt][half]) * scale_log2);
+        const float alpha = exp2_fast(m_scaled[mt][half] - m_new);
+        m_scaled[mt][half] = m_new;
         row_sum[mt][half] *= alpha;
 #pragma unroll
         for (int dt = 0; dt < kOTiles; ++dt) {
@@ -445,8 +447,7 @@ __global__ void __launch_bounds__(kThreads)
             o_acc[mt][dt][2 * half] * inv_l, o_acc[mt][dt][2 * half + 1] * inv_l);
       }
       if (t == 0)
-        lse[q_row0 + query] =
-            l > 0.0f ? (row_max[mt][half] * scale_log2 + log2f(l)) / kLog2e : -INFINITY;
+        lse[q_row0 + query] = l > 0.0f ? (m_scaled[mt][half] + log2f(l)) / kLog2e : -INFINITY;
     }
   }
 }

@@ -3,8 +3,6 @@
 // stretch of straight-line code, O += P_{j-1} V_{j-1} for the block before it. The softmax of S_j
 // does not depend on that second product, so the compiler interleaves them: the max, exp2 and
 // sum instructions of block j issue between the MMAs of block j - 1.
-// (One smaller change rides along: alpha is made exactly 1 by rounding both products alike, with
-// rows starting at kNoMax instead of -inf, rather than by chapter 06's select; see step 2.)
 //
 //   chapter 09, one warp:  | S_j MMAs | softmax_j (MMAs idle) | P_j V_j MMAs |  S_j+1 MMAs | ...
 //   chapter 10, one warp:  | O *= alpha_j-1, S_j MMAs | softmax_j with P_j-1 V_j-1 MMAs |  ...
@@ -118,9 +116,9 @@ constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // aligned for ldmatrix, so 16 is also the smallest padding that works.
 constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
-// The running max of a row that has seen no finite score yet: finite, and far below any score.
-// Its scaled exponents give exp2(-inf) = 0 for masked scores, and the first finite max gives
-// alpha = exp2(-1e30 * scale_log2 - m_scaled) = 0 on an l and O that are still 0.
+// The running max (times scale_log2) of a row that has seen no finite score yet: finite, and far
+// below any score times scale_log2. Masked scores give exp2(-inf - kNoMax) = 0, and the first
+// finite max gives alpha = exp2(kNoMax - m_new) = 0 on an l and O that are still 0.
 constexpr float kNoMax = -1.0e30f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
@@ -283,7 +281,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t batch_head = blockIdx.x / num_q_blocks;
   const int64_t batch = batch_head / shape.heads_q;
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
-  const int64_t q_row0 = batch_head * shape.seqlen_q;
+  // First row of this (batch, head) in Q, O and LSE, as an int: it saves the register that ptxas
+  // would otherwise spill. 2^31 rows do not fit in a GPU (Q alone would be 256 GiB at d = 64), so
+  // the runner's allocation fails long before this could overflow.
+  const int q_row0 = int(batch_head * shape.seqlen_q);
   const bf16* k_head = k + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
   const bf16* v_head = v + (batch * shape.heads_kv + kv_head) * shape.seqlen_k * kHeadDim;
   const int q_start = q_block * kBlockM;
@@ -313,20 +314,22 @@ __global__ void __launch_bounds__(kThreads)
   const int num_unmasked_blocks = max(0, unmasked_end) / kBlockN;
 
   // Prologue: Q and the first K in one group (V_0 is copied during iteration 0).
-  load_tile_async<kBlockM, kHeadDim>(q_tile, q + q_row0 * kHeadDim, q_start, shape.seqlen_q);
+  load_tile_async<kBlockM, kHeadDim>(q_tile, q + int64_t(q_row0) * kHeadDim, q_start,
+                                     shape.seqlen_q);
   if (num_kv_blocks > 0) load_k(0);
   cp_async_commit();
 
   // Per thread: rows g and g + 8 of each of its kMTiles tiles ([mt][half]).
   float o_acc[kMTiles][kOTiles][4] = {};
-  float row_max[kMTiles][2], row_sum[kMTiles][2];
+  // m_scaled: the row's running max times scale_log2 (the exponents' units); row_sum: l.
+  float m_scaled[kMTiles][2], row_sum[kMTiles][2];
   // Carried from one iteration to the next: the rescale that O still owes (alpha of the last
   // softmax) and the last block's P, already packed as the A fragments of P V.
   float alpha[kMTiles][2];
   uint32_t p[kOSteps][kMTiles][4];
   for (int mt = 0; mt < kMTiles; ++mt)
     for (int half = 0; half < 2; ++half)
-      row_max[mt][half] = kNoMax, row_sum[mt][half] = 0.0f, alpha[mt][half] = 1.0f;
+      m_scaled[mt][half] = kNoMax, row_sum[mt][half] = 0.0f, alpha[mt][half] = 1.0f;
 
   // O *= alpha, for the rows of each half of the accumulator fragments.
   auto rescale_o = [&] {
@@ -420,21 +423,21 @@ __global__ void __launch_bounds__(kThreads)
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
-    // 2. The new running max and alpha (applied to O at the start of the next iteration). alpha
-    //    must be exactly 1 when the max did not move (chapter 06). Here that comes from rounding
-    //    both products alike: __fmul_rn keeps the compiler from fusing m_old * scale_log2 into the
-    //    subtraction, so it rounds exactly as m_scaled did, the difference is 0 and exp2(0) = 1;
-    //    chapter 06's compare and select cost this loop 3-4% at d = 128. A row that has seen no
-    //    finite score holds kNoMax instead of -inf: no inf - inf anywhere, so no guard either.
-    float m_scaled[kMTiles][2];
+        // 2. The new running max, and alpha = exp2(m_old - m_new), which rescales everything
+        //    accumulated under the old max: the running sum now, O in the next iteration.
+        //    The max is kept times scale_log2 (rounding keeps the order of numbers, so the max of
+        //    the products is the product of the max): when it did not move, m_old and m_new are
+        //    the same float and alpha is exactly 1. It must be: 1 plus a rounding error on every
+        //    block would multiply l and O, and O / l cancels it but the LSE (m + log2 l) does not
+        //    (after a million keys it was 4e-3 off). A row that has seen no finite score holds
+        //    kNoMax instead of -inf, so m_old - m_new is never inf - inf (NaN).
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float m_new = fmaxf(row_max[mt][half], quad_max(block_max[mt][half]));
-        m_scaled[mt][half] = m_new * scale_log2;
-        alpha[mt][half] = exp2_fast(__fmul_rn(row_max[mt][half], scale_log2) - m_scaled[mt][half]);
-        row_max[mt][half] = m_new;
+        const float m_new = fmaxf(m_scaled[mt][half], quad_max(block_max[mt][half]) * scale_log2);
+        alpha[mt][half] = exp2_fast(m_scaled[mt][half] - m_new);
+        m_scaled[mt][half] = m_new;
         row_sum[mt][half] *= alpha[mt][half];
       }
     }
@@ -484,15 +487,14 @@ __global__ void __launch_bounds__(kThreads)
       const int query = q_start + warp_row0 + mt * kMmaM + g + 8 * half;
       if (query >= shape.seqlen_q) continue;
       const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw no key outputs 0
-      bf16* o_row = o + (q_row0 + query) * kHeadDim;
+      bf16* o_row = o + int64_t(q_row0 + query) * kHeadDim;
 #pragma unroll
       for (int dt = 0; dt < kOTiles; ++dt) {
         *reinterpret_cast<__nv_bfloat162*>(o_row + dt * kMmaN + 2 * t) = __floats2bfloat162_rn(
             o_acc[mt][dt][2 * half] * inv_l, o_acc[mt][dt][2 * half + 1] * inv_l);
       }
       if (t == 0)
-        lse[q_row0 + query] =
-            l > 0.0f ? (row_max[mt][half] * scale_log2 + log2f(l)) / kLog2e : -INFINITY;
+        lse[q_row0 + query] = l > 0.0f ? (m_scaled[mt][half] + log2f(l)) / kLog2e : -INFINITY;
     }
   }
 }
