@@ -1,5 +1,5 @@
 // Chapter 11: rescale only when the max has grown. Chapter 10's kernel with two changes, the
-// second made possible by the first.
+// second made possible by the first, and two trims outside the key loop (3).
 //
 // 1. Lazy rescaling. Chapter 10 rescales O by alpha = exp2((m_old - m_new) * scale_log2) on every
 //    block of keys (alpha = 1 when no max grew): kHeadDim multiplies per row and block (128 per
@@ -25,14 +25,21 @@
 //      still on their way, and computed a second time on the rare block that moves it.
 //    - Nothing is rescaled on the other blocks, not even by an alpha of 1 that came out as 1 plus
 //      a rounding error: l and O stay relative to the same reference exactly. The reference is
-//      kept already multiplied by scale_log2 (m_ref), so the exponent is one fused multiply-add
-//      and alpha, when it is needed, exp2 of a plain difference of two floats.
+//      kept multiplied by scale_log2 (m_ref), as chapter 10 keeps its max, so the exponent is one
+//      fused multiply-add and alpha, when it is needed, exp2 of a plain difference of two floats.
 //
 // 2. A cheaper loader: one address per tile and constant offsets for the rest, with the per-row
 //    bounds checks only on a tile that runs past the end (chapter 10's loader checked and
 //    clamped every row of every tile). In chapter 10 this loader made ptxas spill (92 bytes at
 //    d = 128); with the rescale behind a branch the loop is scheduled differently and it fits
 //    (255 registers at d = 128, 246 at d = 64, no spills).
+//
+// 3. Outside the loop. The first block always moved the reference (it starts at kNoReference):
+//    P twice and a rescale of zeros. It now sets the reference to its own max before P. And O
+//    leaves through shared memory (each warp's own rows of the Q tile) in 16-byte pieces, whole
+//    rows per instruction, instead of 4-byte pieces from the fragments. At seqlen 2048 a block
+//    runs only 64 iterations at d = 128, so these once-per-block costs show; the README has the
+//    numbers, and what ptxas's schedule adds to them.
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
@@ -437,7 +444,17 @@ __global__ void __launch_bounds__(kThreads)
         block_max_scaled[mt][half] = quad_max(block_max[mt][half]) * scale_log2;
         grew |= block_max_scaled[mt][half] - m_ref[mt][half] > kRescaleThreshold;
       }
-    const bool move = __any_sync(kFullWarp, grew);
+    // The first block has no reference to keep: it takes the block's max at once, so its P is
+    // computed once and nothing is rescaled (l and O are still 0). A row with no finite score
+    // in it keeps kNoReference.
+    if (!kPrevious) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          m_ref[mt][half] = fmaxf(m_ref[mt][half], block_max_scaled[mt][half]);
+    }
+    const bool move = kPrevious && __any_sync(kFullWarp, grew);
 
     // 3. P = exp2(s * scale_log2 - m_ref) against the reference the row already has, its partial
     //    row sums, and P packed to bf16 (what the next iteration multiplies by V). This does not
@@ -512,10 +529,16 @@ __global__ void __launch_bounds__(kThreads)
     cp_async_wait<0>();
     __syncthreads();
     accumulate_pv(num_kv_blocks - 1);
+  } else {  // a block that saw no key skipped the loop: every thread's Q copies must land first
+    cp_async_wait<0>();
+    __syncthreads();
   }
-  cp_async_wait<0>();  // a block that saw no key skipped the loop: let its Q copy finish
 
-  // O = o_acc / l and LSE = (m_ref + log2 l) / log2 e, for the rows that exist.
+  // The epilogue. O = o_acc / l goes first into this warp's own rows of the Q tile: the warp's
+  // last reads of them (the S MMAs) came before the barrier above, and no other warp reads them.
+  // Thread (g, t) writes 4 bytes at row g, column 8 dt + 2 t: 4-byte word 4 g + t + 4 dt modulo
+  // 32 banks (a row is kStride / 2 = 36 or 68 words, 4 modulo 32), so the warp's 32 writes hit
+  // 32 different banks. LSE = (m_ref + log2 l) / log2 e goes straight to global memory.
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -524,7 +547,7 @@ __global__ void __launch_bounds__(kThreads)
       const int query = q_start + warp_row0 + mt * kMmaM + g + 8 * half;
       if (query >= shape.seqlen_q) continue;
       const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw no key outputs 0
-      bf16* o_row = o + int64_t(q_row0 + query) * kHeadDim;
+      bf16* o_row = q_tile + (warp_row0 + mt * kMmaM + g + 8 * half) * kStride;
 #pragma unroll
       for (int dt = 0; dt < kOTiles; ++dt) {
         *reinterpret_cast<__nv_bfloat162*>(o_row + dt * kMmaN + 2 * t) = __floats2bfloat162_rn(
@@ -533,6 +556,19 @@ __global__ void __launch_bounds__(kThreads)
       if (t == 0)
         lse[q_row0 + query] = l > 0.0f ? (m_ref[mt][half] + log2f(l)) / kLog2e : -INFINITY;
     }
+  }
+  __syncwarp();  // the warp's rows of O are in shared memory
+  // Then from shared to global memory in 16-byte pieces, as the tiles came in: a row is
+  // kHeadDim / 8 pieces, so each pass of the warp writes 32 / (kHeadDim / 8) whole rows.
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kRowsPerPass = 32 / kChunksPerRow;
+  const int r = lane / kChunksPerRow, c = lane % kChunksPerRow * 8;
+#pragma unroll
+  for (int pass = 0; pass < kMTiles * kMmaM / kRowsPerPass; ++pass) {
+    const int row = warp_row0 + pass * kRowsPerPass + r;  // within the block
+    if (q_start + row < shape.seqlen_q)
+      *reinterpret_cast<uint4*>(o + int64_t(q_row0 + q_start + row) * kHeadDim + c) =
+          *reinterpret_cast<const uint4*>(q_tile + row * kStride + c);
   }
 }
 
