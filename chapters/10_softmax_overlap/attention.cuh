@@ -423,14 +423,14 @@ __global__ void __launch_bounds__(kThreads)
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
-        // 2. The new running max, and alpha = exp2(m_old - m_new), which rescales everything
-        //    accumulated under the old max: the running sum now, O in the next iteration.
-        //    The max is kept times scale_log2 (rounding keeps the order of numbers, so the max of
-        //    the products is the product of the max): when it did not move, m_old and m_new are
-        //    the same float and alpha is exactly 1. It must be: 1 plus a rounding error on every
-        //    block would multiply l and O, and O / l cancels it but the LSE (m + log2 l) does not
-        //    (after a million keys it was 4e-3 off). A row that has seen no finite score holds
-        //    kNoMax instead of -inf, so m_old - m_new is never inf - inf (NaN).
+    // 2. The new running max, and alpha = exp2(m_old - m_new), which rescales everything
+    //    accumulated under the old max: the running sum now, O in the next iteration.
+    //    The max is kept times scale_log2 (rounding never reverses the order of two numbers, so
+    //    the max of the products is the product of the max): when it did not move, m_old and
+    //    m_new are the same float and alpha is exactly 1. It must be: 1 plus a rounding error on
+    //    every block would multiply l and O, and O / l cancels it but the LSE (m + log2 l) does
+    //    not (after a million keys it was 4e-3 off). A row that has seen no finite score holds
+    //    kNoMax instead of -inf, so m_old - m_new is never inf - inf (NaN).
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll

@@ -1,7 +1,7 @@
 // Chapter 11: rescale only when the max has grown. Chapter 10's kernel with two changes, the
 // second made possible by the first, and two trims outside the key loop (3).
 //
-// 1. Lazy rescaling. Chapter 10 rescales O by alpha = exp2((m_old - m_new) * scale_log2) on every
+// 1. Lazy rescaling. Chapter 10 rescales O by alpha = exp2(m_old - m_new) (scaled maxima) on every
 //    block of keys (alpha = 1 when no max grew): kHeadDim multiplies per row and block (128 per
 //    thread per iteration at d = 128, a fifth of the loop's instructions). But the max the
 //    exponents are taken against does not have to be the true max. Any reference m' works, as long
@@ -30,9 +30,9 @@
 //
 // 2. A cheaper loader: one address per tile and constant offsets for the rest, with the per-row
 //    bounds checks only on a tile that runs past the end (chapter 10's loader checked and
-//    clamped every row of every tile). In chapter 10 this loader made ptxas spill (92 bytes at
-//    d = 128); with the rescale behind a branch the loop is scheduled differently and it fits
-//    (255 registers at d = 128, 246 at d = 64, no spills).
+//    clamped every row of every tile). In chapter 10 this loader makes ptxas spill (8 bytes at
+//    d = 128, 40 at d = 64); with the rescale behind a branch the loop is scheduled differently and
+//    it fits (255 registers at d = 128, 246 at d = 64, no spills).
 //
 // 3. Outside the loop. The first block always moved the reference (it starts at kNoReference):
 //    P twice and a rescale of zeros. It now sets the reference to its own max before P. And O
@@ -534,8 +534,10 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
-  // The epilogue. O = o_acc / l goes first into this warp's own rows of the Q tile: the warp's
-  // last reads of them (the S MMAs) came before the barrier above, and no other warp reads them.
+  // The epilogue. O = o_acc / l goes first into this warp's own rows of the Q tile, which only
+  // this warp ever reads (its last reads, the S MMAs, are done). Those rows were copied there by
+  // every thread of the block, though: the barrier above (in either branch) makes sure all of
+  // those copies have landed before O overwrites them.
   // Thread (g, t) writes 4 bytes at row g, column 8 dt + 2 t: 4-byte word 4 g + t + 4 dt modulo
   // 32 banks (a row is kStride / 2 = 36 or 68 words, 4 modulo 32), so the warp's 32 writes hit
   // 32 different banks. LSE = (m_ref + log2 l) / log2 e goes straight to global memory.
@@ -606,7 +608,8 @@ inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
 inline attn::ForwardChapter chapter() {
   return {"11_lazy_rescale",
           "chapter 10 with O rescaled only when a row max outgrows its reference by more than 8 "
-          "(log2), and a loader that checks rows only on the last tile",
+          "(log2), a loader that checks rows only on the last tile, and O stored through shared "
+          "memory",
           attn::DType::kBF16,
           {64, 128},
           80,
