@@ -460,7 +460,8 @@ __global__ void __launch_bounds__(kThreads)
     //    row sums, and P packed to bf16 (what the next iteration multiplies by V). This does not
     //    wait for the check: the reference almost never moves, so P is computed as if it did
     //    not, and computed again on the rare block where it did (step 4). Against kNoReference a
-    //    finite score gives inf here, but such a block always moves; -inf scores give 0.
+    //    finite score would give inf here, but such a block always moves (after the first block,
+    //    which sets the reference, only rows that see no key hold it); -inf scores give 0.
     float block_sum[kMTiles][2];
     auto exponentiate = [&] {
 #pragma unroll
