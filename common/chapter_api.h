@@ -7,12 +7,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include "dtype.h"
 #include "shape.h"
 
 namespace attn {
-
-// Element type of Q, K, V and O in device memory. LSE is always float.
-enum class DType { kF32, kBF16 };
 
 struct ForwardParams {
   AttentionShape shape;
@@ -27,7 +25,7 @@ struct ForwardParams {
 struct ForwardChapter {
   const char* name;     // the folder, e.g. "01_naive"
   const char* summary;  // one line: what this step does
-  DType dtype;
+  DType dtype;  // of Q, K, V and O
   std::vector<int> head_dims;  // the head dimensions its kernels support
   int min_compute_capability;  // e.g. 80 for mma.sync with bf16
   // False only for the chapter whose lesson is the overflow (01): the tests then expect failure.

@@ -124,8 +124,8 @@ std::string usage(const ForwardChapter& chapter) {
     << "  --csv | --json   one machine-readable record instead of the report\n"
     << "  --save DIR       write q, k, v, o, lse to DIR as float32 .npy files\n"
     << "  -h, --help       this text\n\n"
-    << "Exit status: 0 pass, 1 check failed, 2 bad option or unsupported shape, 3 no usable GPU\n"
-    << "(none, too old, or out of memory), 4 CUDA error.\n";
+    << "Exit status: 0 pass, 1 check failed, 2 bad option, unsupported shape, or too large for\n"
+    << "host memory, 3 no usable GPU (none, too old) or too large for its memory, 4 CUDA error.\n";
   return s.str();
 }
 

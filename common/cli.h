@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "report.h"
 #include "runner.h"
 
 namespace attn {

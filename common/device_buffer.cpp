@@ -1,19 +1,13 @@
 #include "device_buffer.h"
 
-#include <cstdio>
 #include <sstream>
 
 #include "cuda_check.h"
+#include "memory_plan.h"
 
 namespace attn {
 namespace {
 size_t g_in_use = 0;  // bytes currently allocated through device_allocate
-
-std::string gigabytes(size_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f GB", bytes / 1e9);
-  return text;
-}
 }  // namespace
 
 void* device_allocate(size_t bytes) {

@@ -24,28 +24,39 @@ double uniform_open(uint64_t bits) {
 
 }  // namespace
 
-void fill_normal(std::vector<float>& values, uint64_t seed, uint64_t stream, float stddev) {
+void fill_normal(float* values, size_t count, uint64_t seed, uint64_t stream, float stddev,
+                 size_t first_index) {
   const uint64_t base = splitmix64(seed * 0x100000001B3ull + stream);
   constexpr double kTwoPi = 6.283185307179586;
-  // Pair i depends only on (base, i), so the pairs can be filled by all cores at once.
-  const size_t pairs = (values.size() + 1) / 2;
+  // Elements come in pairs (2 p, 2 p + 1) that share their two uniforms; pair p depends only on
+  // (base, p), so any range of elements can be made, by all cores at once.
+  const size_t first_pair = first_index / 2, end_pair = (first_index + count + 1) / 2;
   auto fill_pairs = [&](size_t first, size_t last) {
     for (size_t p = first; p < last; ++p) {
-      const size_t i = 2 * p;
       // Box-Muller: two independent uniforms give two independent normals.
-      double u1 = uniform_open(splitmix64(base + 2 * i));
-      double u2 = uniform_open(splitmix64(base + 2 * i + 1));
-      double radius = std::sqrt(-2.0 * std::log(u1));
-      values[i] = float(stddev * radius * std::cos(kTwoPi * u2));
-      if (i + 1 < values.size()) values[i + 1] = float(stddev * radius * std::sin(kTwoPi * u2));
+      const double u1 = uniform_open(splitmix64(base + 4 * p));
+      const double u2 = uniform_open(splitmix64(base + 4 * p + 1));
+      const double radius = std::sqrt(-2.0 * std::log(u1));
+      const size_t even = 2 * p, odd = 2 * p + 1;  // element indices of the stream
+      if (even >= first_index && even < first_index + count)
+        values[even - first_index] = float(stddev * radius * std::cos(kTwoPi * u2));
+      if (odd >= first_index && odd < first_index + count)
+        values[odd - first_index] = float(stddev * radius * std::sin(kTwoPi * u2));
     }
   };
+  const size_t pairs = end_pair - first_pair;
   const size_t workers =
       std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), pairs / (1 << 16)));
+  if (workers == 1) return fill_pairs(first_pair, end_pair);
   std::vector<std::thread> pool;
   for (size_t w = 0; w < workers; ++w)
-    pool.emplace_back(fill_pairs, pairs * w / workers, pairs * (w + 1) / workers);
+    pool.emplace_back(fill_pairs, first_pair + pairs * w / workers,
+                      first_pair + pairs * (w + 1) / workers);
   for (auto& t : pool) t.join();
+}
+
+void fill_normal(std::vector<float>& values, uint64_t seed, uint64_t stream, float stddev) {
+  fill_normal(values.data(), values.size(), seed, stream, stddev, 0);
 }
 
 uint16_t float_to_bf16_bits(float value) {
@@ -69,31 +80,31 @@ void round_to_bf16(std::vector<float>& values) {
   for (float& v : values) v = round_to_bf16(v);
 }
 
-size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
-const char* dtype_name(DType dtype) { return dtype == DType::kF32 ? "fp32" : "bf16"; }
-
 DeviceTensor::DeviceTensor(DType dtype, size_t count)
     : dtype_(dtype), count_(count), bytes_(count * dtype_size(dtype)) {}
 
-void DeviceTensor::upload(const std::vector<float>& values) {
+void DeviceTensor::upload(const float* values, size_t count, size_t offset) {
+  unsigned char* dst = static_cast<unsigned char*>(data()) + offset * dtype_size(dtype_);
   if (dtype_ == DType::kF32) {
-    CUDA_CHECK(cudaMemcpy(data(), values.data(), bytes(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dst, values, count * sizeof(float), cudaMemcpyHostToDevice));
     return;
   }
-  std::vector<uint16_t> bits(count_);
-  for (size_t i = 0; i < count_; ++i) bits[i] = float_to_bf16_bits(values[i]);
-  CUDA_CHECK(cudaMemcpy(data(), bits.data(), bytes(), cudaMemcpyHostToDevice));
+  std::vector<uint16_t> bits(count);
+  for (size_t i = 0; i < count; ++i) bits[i] = float_to_bf16_bits(values[i]);
+  CUDA_CHECK(cudaMemcpy(dst, bits.data(), count * sizeof(uint16_t), cudaMemcpyHostToDevice));
 }
 
-std::vector<float> DeviceTensor::download() const {
-  std::vector<float> values(count_);
+std::vector<float> DeviceTensor::download(size_t offset, size_t count) const {
+  const unsigned char* src =
+      static_cast<const unsigned char*>(data()) + offset * dtype_size(dtype_);
+  std::vector<float> values(count);
   if (dtype_ == DType::kF32) {
-    CUDA_CHECK(cudaMemcpy(values.data(), data(), bytes(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(values.data(), src, count * sizeof(float), cudaMemcpyDeviceToHost));
     return values;
   }
-  std::vector<uint16_t> bits(count_);
-  CUDA_CHECK(cudaMemcpy(bits.data(), data(), bytes(), cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i < count_; ++i) values[i] = bf16_bits_to_float(bits[i]);
+  std::vector<uint16_t> bits(count);
+  CUDA_CHECK(cudaMemcpy(bits.data(), src, count * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < count; ++i) values[i] = bf16_bits_to_float(bits[i]);
   return values;
 }
 

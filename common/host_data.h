@@ -5,13 +5,17 @@
 #include <cstdint>
 #include <vector>
 
-#include "chapter_api.h"
+#include "dtype.h"
 #include "device_buffer.h"
 
 namespace attn {
 
 // Normal(0, stddev) samples from a counter-based generator: the same numbers on every machine and
 // standard library for a given seed and stream (std::normal_distribution differs between them).
+// Element i of a stream depends on (seed, stream, i) alone, so a tensor can be made piece by
+// piece: values[j] gets element first_index + j.
+void fill_normal(float* values, size_t count, uint64_t seed, uint64_t stream, float stddev,
+                 size_t first_index = 0);
 void fill_normal(std::vector<float>& values, uint64_t seed, uint64_t stream, float stddev);
 
 // bf16 keeps float's 8 exponent bits and 7 of its 23 mantissa bits; round to nearest even.
@@ -25,8 +29,11 @@ void round_to_bf16(std::vector<float>& values);
 class DeviceTensor {
  public:
   DeviceTensor(DType dtype, size_t count);
-  void upload(const std::vector<float>& values);
-  std::vector<float> download() const;
+  void upload(const std::vector<float>& values) { upload(values.data(), values.size(), 0); }
+  // Elements [offset, offset + count).
+  void upload(const float* values, size_t count, size_t offset);
+  std::vector<float> download() const { return download(0, count_); }
+  std::vector<float> download(size_t offset, size_t count) const;
   void poison();  // fill with NaN, so an element the kernel never writes fails the check
   void* data() const { return bytes_.get(); }
   size_t count() const { return count_; }
@@ -37,8 +44,5 @@ class DeviceTensor {
   size_t count_;
   DeviceBuffer<unsigned char> bytes_;
 };
-
-size_t dtype_size(DType dtype);
-const char* dtype_name(DType dtype);
 
 }  // namespace attn

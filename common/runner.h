@@ -1,5 +1,6 @@
-// The runner every chapter binary and every chapter test goes through: make inputs, run the
-// chapter's launch function, check against the CPU reference, time it, report.
+// Running one forward chapter: make inputs, run the chapter's launch function, check the outputs
+// against the CPU reference, time it, and fill a report. A chapter binary (program.h) and a
+// chapter test call the same function. Printing a report: report.h.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,6 @@
 
 #include "chapter_api.h"
 #include "compare.h"
-#include "reference.h"
 #include "timing.h"
 
 namespace attn {
@@ -32,6 +32,13 @@ struct InvalidInput : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// One output of a chapter held against the reference: "o", "lse" (later kinds: "dq", "dk", ...).
+struct OutputCheck {
+  std::string name;
+  Tolerance tolerance;
+  Comparison comparison;
+};
+
 struct RunReport {
   std::string chapter;
   DType dtype = DType::kF32;
@@ -44,36 +51,19 @@ struct RunReport {
   bool checked = false;
   size_t heads_checked = 0, heads_total = 0;
   double max_abs_logit = 0;
-  Tolerance o_tolerance, lse_tolerance;
-  Comparison o, lse;
-  bool passed = true;  // true when not checked
+  std::vector<OutputCheck> outputs;  // in the order they are printed
+  bool passed = true;                // true when not checked
   // Time.
   bool timed = false;
   Timing timing;
   double tflops = 0;
+
+  // The output called `name`; a default (empty, passed) one when it was not checked.
+  const Comparison& comparison(const std::string& name) const;
 };
 
-// "" if this machine can run a chapter that needs compute capability min_cc (e.g. 80), otherwise
-// one sentence saying why not (no GPU, or too old a GPU).
-std::string device_problem(int min_cc);
-std::string device_description();
-
-// Throws InvalidInput for a shape the chapter rejects, OutOfDeviceMemory, or CudaError.
+// Throws InvalidInput for a shape the chapter rejects, OutOfDeviceMemory (device memory) or
+// OutOfHostMemory (memory_plan.h) for a problem that does not fit, or CudaError.
 RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options);
-
-enum class OutputFormat { kText, kCsv, kJson };
-void print_report(const RunReport& report, OutputFormat format);
-
-// Exit codes of a chapter binary.
-enum ExitCode : int {
-  kExitPass = 0,
-  kExitCheckFailed = 1,
-  kExitBadInput = 2,   // bad option, unsupported shape or head_dim
-  kExitNoDevice = 3,   // no GPU, too old a GPU, or not enough device memory
-  kExitCudaError = 4,  // a CUDA call or a kernel failed
-};
-
-// The whole program of a chapter binary: parse argv, run, print, return the exit code.
-int forward_main(int argc, char** argv, const ForwardChapter& chapter);
 
 }  // namespace attn

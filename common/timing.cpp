@@ -8,17 +8,19 @@
 
 namespace attn {
 
+size_t l2_flush_bytes() {
+  int device = 0, l2_bytes = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  return size_t(l2_bytes) * 2;
+}
+
 Timing time_launches(const std::function<void(cudaStream_t)>& launch,
                      const TimingOptions& options) {
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   DeviceBuffer<unsigned char> flush;
-  if (options.flush_l2) {
-    int device = 0, l2_bytes = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
-    flush = DeviceBuffer<unsigned char>(size_t(l2_bytes) * 2);
-  }
+  if (options.flush_l2) flush = DeviceBuffer<unsigned char>(l2_flush_bytes());
   for (int i = 0; i < options.warmup; ++i) launch(stream);
   CUDA_CHECK(cudaStreamSynchronize(stream));
 

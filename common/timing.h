@@ -3,6 +3,7 @@
 // before every timed launch, so each one starts with a cold cache (as a decode step would).
 #pragma once
 
+#include <cstddef>
 #include <functional>
 
 #include <cuda_runtime_api.h>
@@ -21,6 +22,9 @@ struct Timing {
   double max_ms = 0;
   int iters = 0;
 };
+
+// The size of the buffer that flush_l2 overwrites: twice this GPU's L2 cache.
+size_t l2_flush_bytes();
 
 Timing time_launches(const std::function<void(cudaStream_t)>& launch, const TimingOptions& options);
 

@@ -16,6 +16,7 @@
 #include "cli.h"
 #include "compare.h"
 #include "host_data.h"
+#include "memory_plan.h"
 #include "npy.h"
 #include "online_softmax.h"
 #include "shape.h"
@@ -209,6 +210,43 @@ TEST_CASE("random inputs are reproducible, differ by seed and stream, and are no
   CHECK(std::abs(mean) < 0.05);
   CHECK(std::sqrt(sq / a.size()) == doctest::Approx(1.0).epsilon(0.05));
   CHECK(zeros == 0);
+}
+
+TEST_CASE("random inputs made piece by piece are the same numbers as made at once") {
+  // The runner makes each input in pieces and regenerates only the checked heads, so any range
+  // must give exactly the elements of the whole stream, from odd starts as well as even ones.
+  std::vector<float> whole(2 * 65536 * 3 + 7);  // large enough to be filled by several threads
+  fill_normal(whole, 7, 2, 0.5f);
+  for (size_t first : {size_t(0), size_t(1), size_t(2), size_t(999), size_t(131071)}) {
+    for (size_t count : {size_t(1), size_t(2), size_t(5), size_t(65536 * 2 + 3)}) {
+      CAPTURE(first);
+      CAPTURE(count);
+      if (first + count > whole.size()) continue;
+      std::vector<float> piece(count);
+      fill_normal(piece.data(), count, 7, 2, 0.5f, first);
+      CHECK(std::equal(piece.begin(), piece.end(), whole.begin() + first));
+    }
+  }
+}
+
+TEST_CASE("a run too large for the GPU or the host is refused with the bytes and a remedy") {
+  MemoryNeed need;
+  need.add("Q, K, V, O, LSE", 4'000'000'000);
+  need.add("workspace", 0);  // an empty part is left out of the sentence
+  need.add("L2 flush buffer", 100'000'000);
+  CHECK(need.total() == 4'100'000'000);
+  CHECK(need.describe() == "4.10 GB (Q, K, V, O, LSE 4.00 GB, L2 flush buffer 0.10 GB)");
+  CHECK(device_memory_problem(need, 4'100'000'000, 80'000'000'000) == "");
+  const std::string device = device_memory_problem(need, 3'000'000'000, 80'000'000'000);
+  CHECK(device.find("needs 4.10 GB") != std::string::npos);
+  CHECK(device.find("3.00 GB free of 80.00 GB") != std::string::npos);
+  CHECK(device.find("smaller batch") != std::string::npos);
+  CHECK(host_memory_problem(need, 5'000'000'000, "use --no-check.") == "");
+  const std::string host = host_memory_problem(need, 1'000'000'000, "use --no-check.");
+  CHECK(host.find("1.00 GB available") != std::string::npos);
+  CHECK(host.substr(host.size() - 15) == "use --no-check.");
+  // This machine's own figure is a positive number (whatever it is).
+  CHECK(host_available_bytes() > 0);
 }
 
 TEST_CASE(".npy files carry a 64-byte aligned header, the shape and the data") {

@@ -77,10 +77,13 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
 
 std::string describe_failure(const RunReport& r) {
   std::ostringstream s;
-  s << "O max abs err " << r.o.max_abs_err << " rel " << r.o.rel_err << " [" << r.o_tolerance.rule
-    << "]; LSE max abs err " << r.lse.max_abs_err << " [" << r.lse_tolerance.rule << "]";
-  for (const auto& m : r.o.mismatches) s << "; " << m;
-  for (const auto& m : r.lse.mismatches) s << "; " << m;
+  for (size_t i = 0; i < r.outputs.size(); ++i) {
+    const OutputCheck& output = r.outputs[i];
+    s << (i ? "; " : "") << output.name << " max abs err " << output.comparison.max_abs_err
+      << " rel " << output.comparison.rel_err << " [" << output.tolerance.rule << "]";
+  }
+  for (const OutputCheck& output : r.outputs)
+    for (const auto& m : output.comparison.mismatches) s << "; " << m;
   return s.str();
 }
 

@@ -1,0 +1,102 @@
+#include "report.h"
+
+#include <cctype>
+#include <cstdio>
+
+namespace attn {
+namespace {
+
+std::string megabytes(size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f MB", bytes / 1e6);
+  return text;
+}
+
+std::string upper(std::string text) {
+  for (char& c : text) c = char(std::toupper(static_cast<unsigned char>(c)));
+  return text;
+}
+
+void print_text(const RunReport& r) {
+  std::printf("device  %s\n", r.device.c_str());
+  std::printf("shape   %s, %s\n", r.shape.describe().c_str(), dtype_name(r.dtype));
+  std::printf("memory  %s on the device: Q, K, V, O, LSE %s",
+              megabytes(r.io_bytes + r.workspace_bytes).c_str(), megabytes(r.io_bytes).c_str());
+  if (r.workspace_bytes)
+    std::printf(" + workspace %s (%s)", megabytes(r.workspace_bytes).c_str(),
+                r.workspace_what.c_str());
+  std::printf("\n");
+  if (r.checked) {
+    std::printf("check   %zu of %zu (batch, head) pairs against the Eigen reference (double)%s\n",
+                r.heads_checked, r.heads_total,
+                r.heads_checked < r.heads_total
+                    ? ": the first, the last, and a seeded random sample (--check-all for all)"
+                    : "");
+    for (const OutputCheck& output : r.outputs) {
+      const Comparison& c = output.comparison;
+      std::printf("        %-3s max abs err %.3g, rel err %.3g  [%s]  %s\n",
+                  upper(output.name).c_str(), c.max_abs_err, c.rel_err,
+                  output.tolerance.rule.c_str(), c.passed ? "ok" : "FAIL");
+      if (c.nonfinite) std::printf("            %zu NaN or Inf values\n", c.nonfinite);
+      for (const std::string& m : c.mismatches) std::printf("            %s\n", m.c_str());
+      if (c.failed > c.mismatches.size())
+        std::printf("            ... %zu elements out of tolerance in all\n", c.failed);
+    }
+    std::printf("        largest |logit| %.3g\n", r.max_abs_logit);
+  } else {
+    std::printf("check   skipped (--no-check)\n");
+  }
+  if (r.timed) {
+    std::printf("time    %.4f ms median of %d launches (min %.4f, max %.4f) = %.2f TFLOP/s\n",
+                r.timing.median_ms, r.timing.iters, r.timing.min_ms, r.timing.max_ms, r.tflops);
+  }
+  std::printf("result  %s\n", !r.checked ? "not checked" : r.passed ? "PASS" : "FAIL");
+}
+
+void print_csv(const RunReport& r) {
+  const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
+  std::printf(
+      "chapter,dtype,batch,heads_q,heads_kv,seqlen_q,seqlen_k,head_dim,causal,checked,passed,"
+      "o_max_abs_err,o_rel_err,lse_max_abs_err,median_ms,tflops,device_bytes,workspace_bytes,"
+      "device\n");
+  std::printf("%s,%s,%d,%d,%d,%d,%d,%d,%d,%d,%d,%.4g,%.4g,%.4g,%.5f,%.3f,%zu,%zu,\"%s\"\n",
+              r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q,
+              r.shape.heads_kv, r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim,
+              int(r.shape.causal), int(r.checked), int(r.passed), o.max_abs_err, o.rel_err,
+              lse.max_abs_err, r.timing.median_ms, r.tflops, r.io_bytes + r.workspace_bytes,
+              r.workspace_bytes, r.device.c_str());
+}
+
+void print_json(const RunReport& r) {
+  const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
+  std::printf(
+      "{\"chapter\": \"%s\", \"dtype\": \"%s\", \"batch\": %d, \"heads_q\": %d, \"heads_kv\": %d, "
+      "\"seqlen_q\": %d, \"seqlen_k\": %d, \"head_dim\": %d, \"causal\": %s, \"checked\": %s, "
+      "\"passed\": %s, \"heads_checked\": %zu, \"o_max_abs_err\": %.6g, \"o_rel_err\": %.6g, "
+      "\"lse_max_abs_err\": %.6g, \"median_ms\": %.6f, \"tflops\": %.4f, \"device_bytes\": %zu, "
+      "\"workspace_bytes\": %zu, \"device\": \"%s\"}\n",
+      r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q, r.shape.heads_kv,
+      r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim, r.shape.causal ? "true" : "false",
+      r.checked ? "true" : "false", r.passed ? "true" : "false", r.heads_checked, o.max_abs_err,
+      o.rel_err, lse.max_abs_err, r.timing.median_ms, r.tflops, r.io_bytes + r.workspace_bytes,
+      r.workspace_bytes, r.device.c_str());
+}
+
+}  // namespace
+
+void print_report(const RunReport& report, OutputFormat format) {
+  switch (format) {
+    case OutputFormat::kText:
+      print_text(report);
+      break;
+    case OutputFormat::kCsv:
+      print_csv(report);
+      break;
+    case OutputFormat::kJson:
+      print_json(report);
+      break;
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace attn
