@@ -32,7 +32,7 @@
 // 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
 //
 // Loads: each K_j and V_j tile is copied from device memory to shared memory with 16-byte loads,
-// then everyone waits (__syncthreads) and computes. Chapters 07 and 08 speed up these two steps.
+// then everyone waits (__syncthreads) and computes. Chapters 07 and 09 speed up these two steps.
 #pragma once
 
 #include <cmath>
@@ -56,10 +56,11 @@ constexpr int kMTiles = 1;                         // 16-row MMA tiles per warp
 constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 64 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
-// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
-// holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
-// (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
-// faster than 32 keys, but no spills is the rule here.)
+// accumulators still fit in registers beside O's. With one 16-row tile per warp a thread holds
+// kBlockN / 2 floats of S and kHeadDim / 2 of O: 32 + 32 at d = 64, 16 + 64 at d = 128, far
+// below the register limit. These are the counts that chapter 08, with twice the rows per warp
+// and so twice the floats, can still afford without spilling; chapters 06 to 08 all use them,
+// so that each of those steps changes one thing.
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). The 8 lanes g = 0..7 of a fragment load

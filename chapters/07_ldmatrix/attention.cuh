@@ -2,15 +2,15 @@
 // ldmatrix instead of one 32-bit (or, for V, 16-bit) load per register.
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
-// them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
+// them in registers. Each warp owns 16 query rows of the block, one MMA tile (FlashAttention-2's
 // split of Q across warps: no warp needs another's results):
 //
-//   block of 128 query rows               K_j, V_j: 64 (d = 64) or 32 (d = 128) keys, in smem
+//   block of 64 query rows                K_j, V_j: 64 (d = 64) or 32 (d = 128) keys, in smem
 //   +--------------------+
-//   | warp 0: rows 0-31  |  S = Q K^T  (32 x keys, fp32 accumulators in registers)
-//   | warp 1: rows 32-63 |  online softmax on those registers (quad shuffles for max and sum)
-//   | warp 2: rows 64-95 |  P -> bf16, packed straight into A fragments
-//   | warp 3: rows 96-127|  O += P V   (32 x head_dim, fp32 accumulators in registers)
+//   | warp 0: rows 0-15  |  S = Q K^T  (16 x keys, fp32 accumulators in registers)
+//   | warp 1: rows 16-31 |  online softmax on those registers (quad shuffles for max and sum)
+//   | warp 2: rows 32-47 |  P -> bf16, packed straight into A fragments
+//   | warp 3: rows 48-63 |  O += P V   (16 x head_dim, fp32 accumulators in registers)
 //   +--------------------+
 //
 // Fragments of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"). Lane = 4 g + t
@@ -41,7 +41,7 @@
 // 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
 //
 // Loads: each K_j and V_j tile is copied from device memory to shared memory with 16-byte loads,
-// then everyone waits (__syncthreads) and computes. Chapter 08 overlaps that copy with the math.
+// then everyone waits (__syncthreads) and computes. Chapter 09 overlaps that copy with the math.
 #pragma once
 
 #include <cmath>
@@ -61,14 +61,15 @@ using bf16 = __nv_bfloat16;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;   // mma.sync.m16n8k16
-constexpr int kMTiles = 2;                         // 16-row MMA tiles per warp
-constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
+constexpr int kMTiles = 1;                         // 16-row MMA tiles per warp
+constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 64 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
-// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
-// holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
-// (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
-// faster than 32 keys, but no spills is the rule here.)
+// accumulators still fit in registers beside O's. With one 16-row tile per warp a thread holds
+// kBlockN / 2 floats of S and kHeadDim / 2 of O: 32 + 32 at d = 64, 16 + 64 at d = 128, far
+// below the register limit. These are the counts that chapter 08, with twice the rows per warp
+// and so twice the floats, can still afford without spilling; chapters 06 to 08 all use them,
+// so that each of those steps changes one thing.
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16
@@ -244,8 +245,7 @@ __global__ void __launch_bounds__(kThreads)
     load_tile<kBlockN, kHeadDim>(v_tile, v_head, kv_start, shape.seqlen_k);
     __syncthreads();
 
-    // S = Q K^T for this warp's 32 rows and the block's keys. Every K fragment feeds both row
-    // tiles: loading it once for two MMAs halves the shared-memory traffic per MMA.
+    // S = Q K^T for this warp's 16 rows and the block's keys.
     float s[kMTiles][kSTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kSSteps; ++ks) {

@@ -1,16 +1,13 @@
 // The GPU test of one forward chapter. CMake compiles this file once per chapter, with the
 // chapter's folder on the include path and its namespace in CHAPTER_NAMESPACE. Without a usable GPU
-// the program exits with 77, which CTest reports as skipped (never as passed).
+// the program exits with 77, which CTest reports as skipped (never as passed): gpu_main.h.
 #include "attention.cuh"
 
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include <cstdio>
-
-#include "device.h"
 #include "device_buffer.h"
 #include "forward_cases.h"
+#include "gpu_main.h"
 
 namespace {
 
@@ -75,13 +72,6 @@ TEST_CASE("two runs with the same seed give the same answer, another seed anothe
 }
 
 int main(int argc, char** argv) {
-  doctest::Context context(argc, argv);
-  // --help, --list-test-cases, --count and the like need no GPU.
-  if (context.shouldExit()) return context.run();
   const attn::ForwardChapter chapter = the_chapter();
-  if (std::string why = attn::device_problem(chapter.min_compute_capability); !why.empty()) {
-    std::printf("SKIPPED %s: %s\n", chapter.name, why.c_str());
-    return 77;
-  }
-  return context.run();
+  return attn::test::gpu_test_main(argc, argv, chapter.name, chapter.min_compute_capability);
 }

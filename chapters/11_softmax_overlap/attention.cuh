@@ -1,45 +1,39 @@
-// Chapter 11: rescale only when the max has grown. Chapter 10's kernel with two changes, the
-// second made possible by the first, and two trims outside the key loop (3).
+// Chapter 11: the softmax overlapped with the tensor cores. Chapter 10's kernel, with the key
+// loop software-pipelined inside each warp: iteration j computes S_j = Q K_j^T and, in the same
+// stretch of straight-line code, O += P_{j-1} V_{j-1} for the block before it. The softmax of S_j
+// does not depend on that second product, so the compiler interleaves them: the max, exp2 and
+// sum instructions of block j issue between the MMAs of block j - 1.
 //
-// 1. Lazy rescaling. Chapter 10 rescales O by alpha = exp2(m_old - m_new) (scaled maxima) on every
-//    block of keys (alpha = 1 when no max grew): kHeadDim multiplies per row and block (128 per
-//    thread per iteration at d = 128, a fifth of the loop's instructions). But the max the
-//    exponents are taken against does not have to be the true max. Any reference m' works, as long
-//    as exp2(s - m') cannot overflow, because O and l are both relative to the same m' and the
-//    final O / l and the LSE (m' + log2 l) come out the same. So the reference now moves only when
-//    some row's max has grown by more than kRescaleThreshold = 8 (in the log2 domain, after the
-//    scale):
+//   chapter 10, one warp:  | S_j MMAs | softmax_j (MMAs idle) | P_j V_j MMAs |  S_j+1 MMAs | ...
+//   chapter 11, one warp:  | O *= alpha_j-1, S_j MMAs | softmax_j with P_j-1 V_j-1 MMAs |  ...
 //
-//      row max so far    3.0   5.0   9.5   11.5  12.5   (scaled, log2 units)
-//      reference m'      3.0   3.0   3.0   11.5  11.5   moves when max - m' > 8: rescale
-//      largest p         1     4     90.5  1     2      always <= 2^8 = 256
+// An MMA keeps the tensor pipe busy for several cycles after it issues, and the warp can issue
+// independent instructions meanwhile; in chapter 10 a warp had none to give during its softmax
+// (everything waited on S) or during its MMAs (everything waited on P). Only the other warps on
+// the same scheduler could fill those cycles, and at 255 registers there is one other. (Hopper's
+// FlashAttention-3 does the same with asynchronous wgmma, "intra-warpgroup overlapping"; with
+// mma.sync the overlap comes from the instruction order alone.)
 //
-//    p <= 256 is harmless: fp32 sums and bf16 P have the same relative precision at 256 as at 1.
-//    After the first few blocks the max rarely grows that much, so O is almost never rescaled.
-//    The decision is taken for the whole warp (__any_sync), so the rescale is one branch that a
-//    warp takes or skips as a unit. The FlashAttention-4 work on Blackwell introduced this
-//    (rescale only when the max changed enough to matter for stability); see the README.
-//    Two consequences shape the loop:
-//    - P no longer waits for the block's max. The max only decides whether the reference moves,
-//      so P is computed against the reference the row has, while the max and its shuffles are
-//      still on their way, and computed a second time on the rare block that moves it.
-//    - Nothing is rescaled on the other blocks, not even by an alpha of 1 that came out as 1 plus
-//      a rounding error: l and O stay relative to the same reference exactly. The reference is
-//      kept multiplied by scale_log2 (m_ref), as chapter 10 keeps its max, so the exponent is one
-//      fused multiply-add and alpha, when it is needed, exp2 of a plain difference of two floats.
+// What the new order changes:
+//   1. O's rescale by alpha_j moves to the start of iteration j + 1: it must come after
+//      P_{j-1} V_{j-1} is added and before P_j V_j is, and there it overlaps the MMAs of S_{j+1}.
+//   2. P_j lives across the iteration boundary, as bf16 A fragments. The first block (no P before
+//      it) is peeled off the loop, and the last P V runs after it.
+//   3. The copies are staggered: iteration j reads K_j and V_{j-1}, so the group it starts holds
+//      K_{j+1} and V_j. K and V get a double buffer each, and one barrier per iteration is enough
+//      (chapter 10 had two): after it, every warp is done with iteration j - 1, whose buffers
+//      (K_{j-1}, V_{j-2}) are the ones the new copies overwrite.
 //
-// 2. A cheaper loader: one address per tile and constant offsets for the rest, with the per-row
-//    bounds checks only on a tile that runs past the end (chapter 10's loader checked and
-//    clamped every row of every tile). In chapter 10 this loader makes ptxas spill (8 bytes at
-//    d = 128, 40 at d = 64); with the rescale behind a branch the loop is scheduled differently and
-//    it fits (255 registers at d = 128, 246 at d = 64, no spills).
+//   iteration      0               1                    2                 after the loop
+//   copies         K1 V0           K2 V1                K3 V2
+//   math           S0              O *= a0, S1          O *= a1, S2       O *= a_n-1
+//                  softmax -> P0   + P0 V0              + P1 V1           + P_n-1 V_n-1
+//                                  softmax -> P1        softmax -> P2
 //
-// 3. Outside the loop. The first block always moved the reference (it starts at kNoReference):
-//    P twice and a rescale of zeros. It now sets the reference to its own max before P. And O
-//    leaves through shared memory (each warp's own rows of the Q tile) in 16-byte pieces, whole
-//    rows per instruction, instead of 4-byte pieces from the fragments. At seqlen 2048 a block
-//    runs only 64 iterations at d = 128, so these once-per-block costs show; the README has the
-//    numbers, and what ptxas's schedule adds to them.
+// Registers per thread at d = 128 (32 keys): O 128, S_j 32, P_{j-1} 16 (bf16 pairs), plus the
+// fragments and addresses: 255 of 255, no spills. At d = 64 with 128 keys the overlap would
+// need 64 + 128 + 64 before any fragment, and ptxas spills (96 bytes of spill stores with CUDA
+// 13.0), so d = 64 goes back to 64 keys per iteration.
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
@@ -80,7 +74,7 @@
 // So a thread holds two rows (g and g + 8) of each 16-row tile, and every row is spread over the
 // 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
 //
-// Loads: cp.async, double-buffered (chapter 08). Rows past the end of Q or K/V are zero-filled by
+// Loads: cp.async, double-buffered (chapter 09). Rows past the end of Q or K/V are zero-filled by
 // the copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
 #pragma once
 
@@ -105,15 +99,14 @@ constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;   // mma.sync.m16n8k16
 constexpr int kMTiles = 2;                         // 16-row MMA tiles per warp
 constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (the
-// barriers, the loop's bookkeeping) over more math, as long as the S
-// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
+// barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
+// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 08), a thread
 // holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
 // (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
 // faster than 32 keys, but no spills is the rule here.)
-// Chapters 08 and 09 gave d = 64 128 keys: 128 floats of S and 64 of O. Since chapter 10, P of
-// the previous block stays in registers beside them (the loop is skewed by one block); 128 keys
-// still compile without spills, but only because ptxas then drops that overlap. So d = 64 stays
-// at 64 keys.
+// Chapters 09 and 10 gave d = 64 128 keys: 128 floats of S and 64 of O. Here P of the previous
+// block stays in registers beside them (see the top), and with 128 keys ptxas spills. So d = 64
+// is back at 64 keys.
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16
@@ -123,20 +116,13 @@ constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // aligned for ldmatrix, so 16 is also the smallest padding that works.
 constexpr int kPad = 8;
 constexpr float kLog2e = 1.4426950408889634f;
+// The running max (times scale_log2) of a row that has seen no finite score yet: finite, and far
+// below any score times scale_log2. Masked scores give exp2(-inf - kNoMax) = 0, and the first
+// finite max gives alpha = exp2(kNoMax - m_new) = 0 on an l and O that are still 0.
+constexpr float kNoMax = -1.0e30f;
 constexpr unsigned kFullWarp = 0xffffffffu;
-// The reference max of a row moves only when the row's max has grown past it by more than this
-// (log2 units, after the scale): every P that is kept has exp2 arguments <= 8, every p <= 256
-// (see the top).
-constexpr float kRescaleThreshold = 8.0f;
-// The reference of a row that has seen no finite score yet: finite (so that exp2(s - m_ref) and
-// m_old - m_new never meet inf - inf) and far below any score times scale_log2.
-constexpr float kNoReference = -1.0e30f;
 
 constexpr int kStages = 2;  // shared-memory buffers for K, and for V: one in use, one being filled
-// Causal query blocks differ in work: the last sees every key, the first only its diagonal.
-// Blocks start roughly in index order, so hand out the longest first: the short ones then fill
-// the gaps at the end, instead of one long block starting when the rest are done.
-constexpr bool kLongestFirst = true;
 
 template <int kHeadDim>
 struct Smem {
@@ -246,31 +232,20 @@ __device__ float quad_sum(float x) {
 
 // Starts copying rows [row0, row0 + kRows) of a [rows_total][kHeadDim] bf16 matrix into a padded
 // shared tile, 16 bytes (8 bf16) per copy; rows past the end become zeros. Each pass of the block
-// covers kRowsPerPass whole rows, so a thread's copies sit at constant offsets from its first:
-// one address computation per tile, and ptxas folds the offsets into the instructions where it
-// can. Only a tile that runs past the end checks its rows.
+// covers kRowsPerPass whole rows, so a thread's copies sit at constant offsets from its first.
 template <int kRows, int kHeadDim>
 __device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int rows_total) {
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  constexpr int kPasses = kRows / kRowsPerPass;
   static_assert(kRows % kRowsPerPass == 0, "tile must divide evenly among threads");
   const int r = threadIdx.x / kChunksPerRow, c = threadIdx.x % kChunksPerRow * 8;
-  bf16* dst = tile + r * Smem<kHeadDim>::kStride + c;
-  const bf16* first = src + (int64_t(row0) + r) * kHeadDim + c;
-  if (row0 + kRows <= rows_total) {  // the whole tile exists
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass)
-      cp_async_16(dst + pass * kRowsPerPass * Smem<kHeadDim>::kStride,
-                  first + pass * kRowsPerPass * kHeadDim, true);
-  } else {
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const bool valid = row0 + r + pass * kRowsPerPass < rows_total;
-      // A skipped copy still gets a real address: row 0 of the matrix.
-      cp_async_16(dst + pass * kRowsPerPass * Smem<kHeadDim>::kStride,
-                  valid ? first + pass * kRowsPerPass * kHeadDim : src, valid);
-    }
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const int row = r + pass * kRowsPerPass;
+    const bool valid = row0 + row < rows_total;
+    const int src_row = valid ? row0 + row : rows_total - 1;  // a real address even when unused
+    cp_async_16(tile + row * Smem<kHeadDim>::kStride + c, src + int64_t(src_row) * kHeadDim + c,
+                valid);
   }
 }
 
@@ -278,7 +253,8 @@ __device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int rows_
 // Kernel
 // ---------------------------------------------------------------------------------------------
 
-// Block b handles query block b % num_q_blocks of (batch, head) = b / num_q_blocks (as chapter 05).
+// Block b handles (batch, head) = b / num_q_blocks, as in chapter 05, but its query block counts
+// from the last one (longest first, below).
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
     flash_tc_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
@@ -297,8 +273,10 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int num_q_blocks = (shape.seqlen_q + kBlockM - 1) / kBlockM;
-  const int q_block = kLongestFirst ? num_q_blocks - 1 - int(blockIdx.x % num_q_blocks)
-                                    : int(blockIdx.x % num_q_blocks);
+  // Causal query blocks differ in work: the last sees every key, the first only its diagonal.
+  // Blocks start roughly in index order, so the grid hands out the longest first: the short ones
+  // then fill the gaps at the end, instead of one long block starting when the rest are done.
+  const int q_block = num_q_blocks - 1 - int(blockIdx.x % num_q_blocks);
   const int64_t batch_head = blockIdx.x / num_q_blocks;
   const int64_t batch = batch_head / shape.heads_q;
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
@@ -342,15 +320,25 @@ __global__ void __launch_bounds__(kThreads)
 
   // Per thread: rows g and g + 8 of each of its kMTiles tiles ([mt][half]).
   float o_acc[kMTiles][kOTiles][4] = {};
-  // m_ref is the reference the exponents are taken against, already times scale_log2: the row's
-  // max so far, or at most kRescaleThreshold below it (see the top).
-  float m_ref[kMTiles][2], row_sum[kMTiles][2];
-  // Carried from one iteration to the next: the last block's P, already packed as the A
-  // fragments of P V.
+  // m_scaled: the row's running max times scale_log2 (the exponents' units); row_sum: l.
+  float m_scaled[kMTiles][2], row_sum[kMTiles][2];
+  // Carried from one iteration to the next: the rescale that O still owes (alpha of the last
+  // softmax) and the last block's P, already packed as the A fragments of P V.
+  float alpha[kMTiles][2];
   uint32_t p[kOSteps][kMTiles][4];
   for (int mt = 0; mt < kMTiles; ++mt)
-    for (int half = 0; half < 2; ++half) m_ref[mt][half] = kNoReference, row_sum[mt][half] = 0.0f;
+    for (int half = 0; half < 2; ++half)
+      m_scaled[mt][half] = kNoMax, row_sum[mt][half] = 0.0f, alpha[mt][half] = 1.0f;
 
+  // O *= alpha, for the rows of each half of the accumulator fragments.
+  auto rescale_o = [&] {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] *= alpha[mt][i / 2];
+  };
   // O += P V for the P held in registers and block kv_block's V.
   auto accumulate_pv = [&](int kv_block) {
 #pragma unroll
@@ -382,7 +370,9 @@ __global__ void __launch_bounds__(kThreads)
     load_v(kv_block);
     cp_async_commit();
 
-    // S = Q K^T.
+    // The rescale owed since the last softmax, then S = Q K^T: independent of each other, so
+    // the multiplies fill the issue slots between the MMAs.
+    if (kPrevious) rescale_o();
     float s[kMTiles][kSTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kSSteps; ++ks) {
@@ -401,12 +391,12 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    // O += P_{j-1} V_{j-1}. Only the rare rescale below depends on it: the softmax of S_j
-    // interleaves with these MMAs.
+    // O += P_{j-1} V_{j-1}. Nothing below depends on it: the softmax of S_j interleaves with
+    // these MMAs.
     if (kPrevious) accumulate_pv(kv_block - 1);
 
-    // Online softmax of S_j with a lazy reference (see the top); P goes straight into bf16 A
-    // fragments.
+    // Online softmax of S_j, as in chapter 10, except that O's rescale is left for the next
+    // iteration (alpha is kept) and P goes straight into bf16 A fragments.
     // 1. Mask, then the row max of the block.
     int limit[kMTiles][2];
     float block_max[kMTiles][2];
@@ -432,89 +422,42 @@ __global__ void __launch_bounds__(kThreads)
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
-    // 2. The check: does this block's max lie more than kRescaleThreshold above the reference,
-    //    in some row of the warp? (A row whose scores so far were all -inf holds kNoReference,
-    //    which any finite score is far above.)
-    float block_max_scaled[kMTiles][2];
-    bool grew = false;
+    // 2. The new running max, and alpha = exp2(m_old - m_new), which rescales everything
+    //    accumulated under the old max: the running sum now, O in the next iteration.
+    //    The max is kept times scale_log2 (rounding never reverses the order of two numbers, so
+    //    the max of the products is the product of the max): when it did not move, m_old and
+    //    m_new are the same float and alpha is exactly 1. It must be: 1 plus a rounding error on
+    //    every block would multiply l and O, and O / l cancels it but the LSE (m + log2 l) does
+    //    not (after a million keys it was 4e-3 off). A row that has seen no finite score holds
+    //    kNoMax instead of -inf, so m_old - m_new is never inf - inf (NaN).
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        block_max_scaled[mt][half] = quad_max(block_max[mt][half]) * scale_log2;
-        grew |= block_max_scaled[mt][half] - m_ref[mt][half] > kRescaleThreshold;
+        const float m_new = fmaxf(m_scaled[mt][half], quad_max(block_max[mt][half]) * scale_log2);
+        alpha[mt][half] = exp2_fast(m_scaled[mt][half] - m_new);
+        m_scaled[mt][half] = m_new;
+        row_sum[mt][half] *= alpha[mt][half];
       }
-    // The first block has no reference to keep: it takes the block's max at once, so its P is
-    // computed once and nothing is rescaled (l and O are still 0). A row with no finite score
-    // in it keeps kNoReference.
-    if (!kPrevious) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          m_ref[mt][half] = fmaxf(m_ref[mt][half], block_max_scaled[mt][half]);
     }
-    const bool move = kPrevious && __any_sync(kFullWarp, grew);
 
-    // 3. P = exp2(s * scale_log2 - m_ref) against the reference the row already has, its partial
-    //    row sums, and P packed to bf16 (what the next iteration multiplies by V). This does not
-    //    wait for the check: the reference almost never moves, so P is computed as if it did
-    //    not, and computed again on the rare block where it did (step 4). Against kNoReference a
-    //    finite score would give inf here, but such a block always moves (after the first block,
-    //    which sets the reference, only rows that see no key hold it); -inf scores give 0.
-    float block_sum[kMTiles][2];
-    auto exponentiate = [&] {
+    // 3. P = exp2(s * scale_log2 - m_scaled), its partial row sums, and P packed to bf16: the
+    //    fp32 scores die here, and the packed P is what the next iteration multiplies by V.
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+    for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) block_sum[mt][half] = 0.0f;
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        float e[4];
 #pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt)
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          float e[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            e[i] = exp2_fast(s[mt][nt][i] * scale_log2 - m_ref[mt][i / 2]);
-            block_sum[mt][i / 2] += e[i];
-          }
-          // Keys nt * 8 .. nt * 8 + 7 are the low (even nt) or high (odd nt) half of the 16 keys
-          // of A fragment nt / 2: a0, a1 or a2, a3 (chapter 06's fragment note).
-          p[nt / 2][mt][2 * (nt % 2)] = pack(e[0], e[1]);
-          p[nt / 2][mt][2 * (nt % 2) + 1] = pack(e[2], e[3]);
+        for (int i = 0; i < 4; ++i) {
+          e[i] = exp2_fast(s[mt][nt][i] * scale_log2 - m_scaled[mt][i / 2]);
+          row_sum[mt][i / 2] += e[i];
         }
-    };
-    exponentiate();
-
-    // 4. The rare block: every row of the warp moves its reference to max(reference, block max),
-    //    l and O are rescaled by alpha = exp2(m_old - m_new) <= 1 right here, and P is computed
-    //    again. On every other block nothing is rescaled at all: l and O stay relative to the
-    //    same reference exactly. O holds P_{j-1} V_{j-1} by now (the MMAs above), which is
-    //    relative to the old reference too: the rescale waits for them, on the rare block only.
-    if (move) {
-      float alpha[kMTiles][2];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float m_new = fmaxf(m_ref[mt][half], block_max_scaled[mt][half]);
-          alpha[mt][half] = exp2_fast(m_ref[mt][half] - m_new);
-          m_ref[mt][half] = m_new;
-          row_sum[mt][half] *= alpha[mt][half];
-        }
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kOTiles; ++dt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) o_acc[mt][dt][i] *= alpha[mt][i / 2];
-      exponentiate();
-    }
-    // 5. l += this block's share.
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) row_sum[mt][half] += block_sum[mt][half];
+        // Keys nt * 8 .. nt * 8 + 7 are the low (even nt) or high (odd nt) half of the 16 keys
+        // of A fragment nt / 2: a0, a1 or a2, a3 (chapter 06's fragment note).
+        p[nt / 2][mt][2 * (nt % 2)] = pack(e[0], e[1]);
+        p[nt / 2][mt][2 * (nt % 2) + 1] = pack(e[2], e[3]);
+      }
   };
 
   if (num_kv_blocks > 0) {
@@ -529,19 +472,12 @@ __global__ void __launch_bounds__(kThreads)
     // The last block's P V: its V was copied during the last iteration.
     cp_async_wait<0>();
     __syncthreads();
+    rescale_o();
     accumulate_pv(num_kv_blocks - 1);
-  } else {  // a block that saw no key skipped the loop: every thread's Q copies must land first
-    cp_async_wait<0>();
-    __syncthreads();
   }
+  cp_async_wait<0>();  // a block that saw no key skipped the loop: let its Q copy finish
 
-  // The epilogue. O = o_acc / l goes first into this warp's own rows of the Q tile, which only
-  // this warp ever reads (its last reads, the S MMAs, are done). Those rows were copied there by
-  // every thread of the block, though: the barrier above (in either branch) makes sure all of
-  // those copies have landed before O overwrites them.
-  // Thread (g, t) writes 4 bytes at row g, column 8 dt + 2 t: 4-byte word 4 g + t + 4 dt modulo
-  // 32 banks (a row is kStride / 2 = 36 or 68 words, 4 modulo 32), so the warp's 32 writes hit
-  // 32 different banks. LSE = (m_ref + log2 l) / log2 e goes straight to global memory.
+  // O = o_acc / l and LSE = (m * scale_log2 + log2 l) / log2 e, for the rows that exist.
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -550,28 +486,15 @@ __global__ void __launch_bounds__(kThreads)
       const int query = q_start + warp_row0 + mt * kMmaM + g + 8 * half;
       if (query >= shape.seqlen_q) continue;
       const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row that saw no key outputs 0
-      bf16* o_row = q_tile + (warp_row0 + mt * kMmaM + g + 8 * half) * kStride;
+      bf16* o_row = o + int64_t(q_row0 + query) * kHeadDim;
 #pragma unroll
       for (int dt = 0; dt < kOTiles; ++dt) {
         *reinterpret_cast<__nv_bfloat162*>(o_row + dt * kMmaN + 2 * t) = __floats2bfloat162_rn(
             o_acc[mt][dt][2 * half] * inv_l, o_acc[mt][dt][2 * half + 1] * inv_l);
       }
       if (t == 0)
-        lse[q_row0 + query] = l > 0.0f ? (m_ref[mt][half] + log2f(l)) / kLog2e : -INFINITY;
+        lse[q_row0 + query] = l > 0.0f ? (m_scaled[mt][half] + log2f(l)) / kLog2e : -INFINITY;
     }
-  }
-  __syncwarp();  // the warp's rows of O are in shared memory
-  // Then from shared to global memory in 16-byte pieces, as the tiles came in: a row is
-  // kHeadDim / 8 pieces, so each pass of the warp writes 32 / (kHeadDim / 8) whole rows.
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kRowsPerPass = 32 / kChunksPerRow;
-  const int r = lane / kChunksPerRow, c = lane % kChunksPerRow * 8;
-#pragma unroll
-  for (int pass = 0; pass < kMTiles * kMmaM / kRowsPerPass; ++pass) {
-    const int row = warp_row0 + pass * kRowsPerPass + r;  // within the block
-    if (q_start + row < shape.seqlen_q)
-      *reinterpret_cast<uint4*>(o + int64_t(q_row0 + q_start + row) * kHeadDim + c) =
-          *reinterpret_cast<const uint4*>(q_tile + row * kStride + c);
   }
 }
 
@@ -607,10 +530,9 @@ inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
 }
 
 inline attn::ForwardChapter chapter() {
-  return {"11_lazy_rescale",
-          "chapter 10 with O rescaled only when a row max outgrows its reference by more than 8 "
-          "(log2), a loader that checks rows only on the last tile, and O stored through shared "
-          "memory",
+  return {"11_softmax_overlap",
+          "chapter 10 software-pipelined in each warp: the softmax of key block j overlaps the "
+          "P V MMAs of block j - 1, one barrier per iteration",
           attn::DType::kBF16,
           {64, 128},
           80,

@@ -1,26 +1,21 @@
-// Chapter 08: the memory pipeline. Chapter 07's kernel, with the copy of the next K and V blocks
-// from device memory running in the background while the warps compute on the current ones.
+// Chapter 10: causal attention that skips what the mask hides. Chapter 09's kernel, changed in
+// three places that only matter when work differs between blocks:
 //
-//   chapter 07:   load K0 V0 | wait | math 0 | load K1 V1 | wait | math 1 | ...
-//   chapter 08:   load K0 V0 | load K1 V1 | wait K0 V0 | math 0 | load K2 V2 | wait K1 V1 | math 1
+//   1. Blocks of keys entirely above the diagonal are never loaded or computed: the key loop of a
+//      query block stops after the last key its bottom row can see.
+//   2. The element mask runs only on the blocks that the diagonal (or the end of the keys) cuts;
+//      the blocks below it are visible to every row and skip the compares.
+//   3. The longest query blocks start first, so short ones fill in at the end.
+//
+//   keys ->  0   1   2   3   4   5   6   7        (seqlen_q = seqlen_k, 8 blocks of each)
+//   q 0     [m]  .   .   .   .   .   .   .        m  masked block: diagonal inside
+//   q 1     [f] [m]  .   .   .   .   .   .        f  full block: no mask
+//   q 2     [f] [f] [m]  .   .   .   .   .        .  skipped: never loaded
 //   ...
+//   q 7     [f] [f] [f] [f] [f] [f] [f] [m]      8 + 7 + ... + 1 = 36 of 64 blocks run
 //
-// cp.async (Ampere and later) copies 16 bytes from device memory straight into shared memory,
-// without passing through registers, and does not block the thread: the copies of one block are
-// committed as a group, and cp.async.wait_group N waits until at most N groups are still in
-// flight. K and V get two shared-memory buffers each: while the warps read buffer j % 2, the
-// copy of block j + 1 fills the other one. Shared memory per block (bf16, rows of d + 8):
-//
-//   Q [128][d+8] | K buf 0 [N][d+8] | V buf 0 [N][d+8] | K buf 1 [N][d+8] | V buf 1 [N][d+8]
-//   d = 64, N = 128 keys: 92160 bytes;  d = 128, N = 32 keys: 69632 bytes
-//
-// Two blocks per SM: at d = 64 that is what both the 228 KB of shared memory and the registers
-// allow (2 x 128 threads x 255 of the 64K registers); at d = 128 shared memory would take three,
-// and the registers (232 per thread) limit it to two.
-//
-// With the copies no longer staged through registers, d = 64 can take 128 keys per iteration
-// (chapter 07 could not: ptxas spilled 16 bytes there). Twice the keys halve the per-iteration
-// costs per key (the README measures what that gains).
+// With seqlen_q != seqlen_k the diagonal moves to the bottom-right corner (query i sees keys up
+// to i + seqlen_k - seqlen_q); rows above the first key then see nothing and output 0.
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
@@ -61,12 +56,13 @@
 // So a thread holds two rows (g and g + 8) of each 16-row tile, and every row is spread over the
 // 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
 //
-// Loads: cp.async, double-buffered (above). Rows past the end of Q or K/V are zero-filled by the
-// copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
+// Loads: cp.async, double-buffered (chapter 09). Rows past the end of Q or K/V are zero-filled by
+// the copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -74,7 +70,7 @@
 #include "chapter_api.h"
 #include "cuda_check.h"
 
-namespace ch08 {
+namespace ch10 {
 
 using attn::AttentionShape;
 using bf16 = __nv_bfloat16;
@@ -86,12 +82,12 @@ constexpr int kMTiles = 2;                         // 16-row MMA tiles per warp
 constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
-// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
+// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 08), a thread
 // holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
 // (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
 // faster than 32 keys, but no spills is the rule here.)
-// From chapter 08 on, d = 64 takes 128 keys: 128 floats of S and 64 of O, 192 accumulators of
-// the 255 registers (see chapter 08's top comment).
+// From chapter 09 on, d = 64 takes 128 keys: 128 floats of S and 64 of O, 192 accumulators of
+// the 255 registers (see chapter 09's top comment).
 template <int kHeadDim>
 constexpr int kBlockNFor = kHeadDim == 64 ? 128 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16
@@ -238,7 +234,8 @@ __device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int rows_
 // Kernel
 // ---------------------------------------------------------------------------------------------
 
-// Block b handles query block b % num_q_blocks of (batch, head) = b / num_q_blocks (as chapter 05).
+// Block b handles (batch, head) = b / num_q_blocks, as in chapter 05, but its query block counts
+// from the last one (longest first, below).
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads)
     flash_tc_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse,
@@ -257,7 +254,10 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int num_q_blocks = (shape.seqlen_q + kBlockM - 1) / kBlockM;
-  const int q_block = int(blockIdx.x % num_q_blocks);
+  // Causal query blocks differ in work: the last sees every key, the first only its diagonal.
+  // Blocks start roughly in index order, so the grid hands out the longest first: the short ones
+  // then fill the gaps at the end, instead of one long block starting when the rest are done.
+  const int q_block = num_q_blocks - 1 - int(blockIdx.x % num_q_blocks);
   const int64_t batch_head = blockIdx.x / num_q_blocks;
   const int64_t batch = batch_head / shape.heads_q;
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
@@ -274,9 +274,19 @@ __global__ void __launch_bounds__(kThreads)
     load_tile_async<kBlockN, kHeadDim>(v_tile(stage), v_head, kv_block * kBlockN, shape.seqlen_k);
   };
 
+  // The key loop ends after the last key the block's bottom row sees (its diagonal, bottom-right
+  // aligned); blocks of keys that every row sees completely need no mask.
+  const int q_last = min(q_start + kBlockM, shape.seqlen_q) - 1;
+  const int kv_end = shape.causal ? max(0, min(shape.seqlen_k, q_last + shape.causal_offset() + 1))
+                                  : shape.seqlen_k;
+  const int num_kv_blocks = (kv_end + kBlockN - 1) / kBlockN;
+  const int unmasked_end =
+      shape.causal ? min(shape.seqlen_k, q_start + shape.causal_offset() + 1) : shape.seqlen_k;
+  const int num_unmasked_blocks = max(0, unmasked_end) / kBlockN;
+
   // Prologue: Q and the first K, V in one group.
   load_tile_async<kBlockM, kHeadDim>(q_tile, q + q_row0 * kHeadDim, q_start, shape.seqlen_q);
-  load_kv(0, 0);
+  if (num_kv_blocks > 0) load_kv(0, 0);
   cp_async_commit();
 
   // Per thread: rows g and g + 8 of each of its kMTiles tiles ([mt][half]).
@@ -286,8 +296,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int mt = 0; mt < kMTiles; ++mt)
     for (int half = 0; half < 2; ++half) m_scaled[mt][half] = kNoMax, row_sum[mt][half] = 0.0f;
 
-  const int num_kv_blocks = (shape.seqlen_k + kBlockN - 1) / kBlockN;
-  for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
+  // One iteration of the key loop, written once and compiled twice: with kMasked false the mask
+  // code is not there at all, so the blocks below the diagonal pay nothing for it.
+  auto process_block = [&](int kv_block, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
     const int kv_start = kv_block * kBlockN;
     const int stage = kv_block % kStages;
     // Start the copy of the next block into the other buffer, then wait for this block's copy:
@@ -326,9 +338,8 @@ __global__ void __launch_bounds__(kThreads)
     //
     // 1. Mask, then the row max of the block. This thread's scores sit at keys
     //    kv_start + 2t + (nt * 8 + e); those at or past the row's end (the last key, or the causal
-    //    diagonal) become -inf: one compare against a compile-time constant each. Without the
-    //    causal mask only the last block, if partial, has such keys.
-    const bool masked = shape.causal || kv_start + kBlockN > shape.seqlen_k;
+    //    diagonal) become -inf: one compare against a compile-time constant each. Only the
+    //    blocks that the diagonal or the end of the keys cuts have such keys (kMasked).
     int limit[kMTiles][2];
     float block_max[kMTiles][2];
 #pragma unroll
@@ -349,7 +360,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // i = 2 * half + e
           float& score = s[mt][nt][i];
-          if (masked && nt * kMmaN + i % 2 >= limit[mt][i / 2]) score = -INFINITY;
+          if (kMasked && nt * kMmaN + i % 2 >= limit[mt][i / 2]) score = -INFINITY;
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
@@ -413,7 +424,11 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();  // every warp is done with this stage before the next copy refills it
-  }
+  };
+  int kv_block = 0;
+  for (; kv_block < num_unmasked_blocks; ++kv_block) process_block(kv_block, std::false_type());
+  for (; kv_block < num_kv_blocks; ++kv_block) process_block(kv_block, std::true_type());
+  cp_async_wait<0>();  // a block that saw no key skipped the loop: let its Q copy finish
 
   // O = o_acc / l and LSE = (m * scale_log2 + log2 l) / log2 e, for the rows that exist.
 #pragma unroll
@@ -468,9 +483,9 @@ inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
 }
 
 inline attn::ForwardChapter chapter() {
-  return {"08_cp_async_pipeline",
-          "chapter 07 with K and V copied by cp.async into two buffers, the next block loading "
-          "while the current one computes",
+  return {"10_causal_skip",
+          "chapter 09 with causal blocks above the diagonal skipped, the mask only on diagonal "
+          "blocks, and the longest query blocks first",
           attn::DType::kBF16,
           {64, 128},
           80,
@@ -480,4 +495,4 @@ inline attn::ForwardChapter chapter() {
           launch};
 }
 
-}  // namespace ch08
+}  // namespace ch10

@@ -1,27 +1,17 @@
-// Chapter 09: causal attention that skips what the mask hides. Chapter 08's kernel, changed in
-// three places that only matter when work differs between blocks:
+// Chapter 08: fragment reuse. Chapter 07's kernel with two 16-row MMA tiles per warp instead of
+// one: 32 query rows per warp, 128 per block.
 //
-//   1. Blocks of keys entirely above the diagonal are never loaded or computed: the key loop of a
-//      query block stops after the last key its bottom row can see.
-//   2. The element mask runs only on the blocks that the diagonal (or the end of the keys) cuts;
-//      the blocks below it are visible to every row and skip the compares.
-//   3. The longest query blocks start first (kLongestFirst), so short ones fill in at the end.
-//
-//   keys ->  0   1   2   3   4   5   6   7        (seqlen_q = seqlen_k, 8 blocks of each)
-//   q 0     [m]  .   .   .   .   .   .   .        m  masked block: diagonal inside
-//   q 1     [f] [m]  .   .   .   .   .   .        f  full block: no mask
-//   q 2     [f] [f] [m]  .   .   .   .   .        .  skipped: never loaded
-//   ...
-//   q 7     [f] [f] [f] [f] [f] [f] [f] [m]      8 + 7 + ... + 1 = 36 of 64 blocks run
-//
-// With seqlen_q != seqlen_k the diagonal moves to the bottom-right corner (query i sees keys up
-// to i + seqlen_k - seqlen_q); rows above the first key then see nothing and output 0.
+// Each B fragment that ldmatrix brings from shared memory (K for S, V for O) now feeds two MMAs,
+// one per row tile, so a warp reads half the shared-memory bytes per MMA for B (A, Q or P, is
+// per tile and stays). And each K_j, V_j tile copied into shared memory serves 128 queries
+// instead of 64: half the copies per query. The price is registers: a thread holds the S and O
+// accumulators of two tiles (twice chapter 07's), and the grid has half as many blocks.
 //
 // Chapter 05's algorithm, with both matrix products on mma.sync.m16n8k16 and everything between
 // them in registers. Each warp owns 32 query rows of the block, two MMA tiles (FlashAttention-2's
 // split of Q across warps: no warp needs another's results):
 //
-//   block of 128 query rows               K_j, V_j: 128 (d = 64) or 32 (d = 128) keys, in smem
+//   block of 128 query rows               K_j, V_j: 64 (d = 64) or 32 (d = 128) keys, in smem
 //   +--------------------+
 //   | warp 0: rows 0-31  |  S = Q K^T  (32 x keys, fp32 accumulators in registers)
 //   | warp 1: rows 32-63 |  online softmax on those registers (quad shuffles for max and sum)
@@ -56,13 +46,12 @@
 // So a thread holds two rows (g and g + 8) of each 16-row tile, and every row is spread over the
 // 4 lanes of a quad: the row max and row sum need two shuffles (xor 1, xor 2).
 //
-// Loads: cp.async, double-buffered (chapter 08). Rows past the end of Q or K/V are zero-filled by
-// the copy itself: a cp.async with a source size of 0 writes 16 zero bytes.
+// Loads: each K_j and V_j tile is copied from device memory to shared memory with 16-byte loads,
+// then everyone waits (__syncthreads) and computes. Chapter 09 overlaps that copy with the math.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -70,7 +59,7 @@
 #include "chapter_api.h"
 #include "cuda_check.h"
 
-namespace ch09 {
+namespace ch08 {
 
 using attn::AttentionShape;
 using bf16 = __nv_bfloat16;
@@ -82,14 +71,12 @@ constexpr int kMTiles = 2;                         // 16-row MMA tiles per warp
 constexpr int kBlockM = kWarps * kMTiles * kMmaM;  // 128 query rows per block
 // Keys per iteration, per head_dim. More keys per iteration spread its fixed costs (two
 // barriers, the rescale of O, the loop's bookkeeping) over more math, as long as the S
-// accumulators still fit in registers beside O's. Once a warp owns 32 rows (chapter 07), a thread
-// holds kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
+// accumulators still fit in registers beside O's. Now that a warp owns 32 rows, a thread holds
+// kBlockN floats of S and kHeadDim floats of O: 64 + 64 at d = 64, 32 + 128 at d = 128.
 // (64 keys at d = 128 made the compiler spill registers; that spilling version measured about 2%
 // faster than 32 keys, but no spills is the rule here.)
-// From chapter 08 on, d = 64 takes 128 keys: 128 floats of S and 64 of O, 192 accumulators of
-// the 255 registers (see chapter 08's top comment).
 template <int kHeadDim>
-constexpr int kBlockNFor = kHeadDim == 64 ? 128 : 32;
+constexpr int kBlockNFor = kHeadDim == 64 ? 64 : 32;
 // Shared-memory rows are padded by 8 bf16 (16 bytes). Each ldmatrix phase reads 8 rows of 16
 // bytes at the same column: with rows of 64 or 128 bf16 (a multiple of 128 bytes) all 8 would
 // start in the same bank and be served one after another. 16 more bytes per row move row r by
@@ -103,17 +90,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNoMax = -1.0e30f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
-constexpr int kStages = 2;  // shared-memory buffers for K and V: one in use, one being filled
-// Causal query blocks differ in work: the last sees every key, the first only its diagonal.
-// Blocks start roughly in index order, so hand out the longest first: the short ones then fill
-// the gaps at the end, instead of one long block starting when the rest are done.
-constexpr bool kLongestFirst = true;
-
 template <int kHeadDim>
 struct Smem {
   static constexpr int kStride = kHeadDim + kPad;  // bf16 per shared-memory row
   static constexpr size_t kBytes =
-      size_t(kBlockM + kStages * 2 * kBlockNFor<kHeadDim>) * kStride * sizeof(bf16);
+      size_t(kBlockM + 2 * kBlockNFor<kHeadDim>) * kStride * sizeof(bf16);
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -189,22 +170,6 @@ __device__ float exp2_fast(float x) {
   return y;
 }
 
-// Starts a 16-byte copy from device to shared memory. With `valid` false it reads nothing and
-// writes 16 zero bytes (the source size operand is 0); the address must still be a real one.
-__device__ void cp_async_16(bf16* shared_dst, const bf16* global_src, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-// Closes the group of copies started since the last commit.
-__device__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `kPending` committed groups are still in flight.
-template <int kPending>
-__device__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // Max and sum over the 4 lanes of a quad, which share a row of every fragment.
 __device__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(kFullWarp, x, 1));
@@ -215,11 +180,12 @@ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(kFullWarp, x, 2);
 }
 
-// Starts copying rows [row0, row0 + kRows) of a [rows_total][kHeadDim] bf16 matrix into a padded
-// shared tile, 16 bytes (8 bf16) per copy; rows past the end become zeros. Each pass of the block
-// covers kRowsPerPass whole rows, so a thread's copies sit at constant offsets from its first.
+// Copies rows [row0, row0 + kRows) of a [rows_total][kHeadDim] bf16 matrix into a padded shared
+// tile, 16 bytes (8 bf16) per load; rows past the end become zeros. Each pass of the block covers
+// kRowsPerPass whole rows, so a thread's loads sit at constant offsets from its first one, and the
+// unrolled loop puts them all in flight at once.
 template <int kRows, int kHeadDim>
-__device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int rows_total) {
+__device__ void load_tile(bf16* tile, const bf16* src, int row0, int rows_total) {
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   static_assert(kRows % kRowsPerPass == 0, "tile must divide evenly among threads");
@@ -227,10 +193,10 @@ __device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int rows_
 #pragma unroll
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
     const int row = r + pass * kRowsPerPass;
-    const bool valid = row0 + row < rows_total;
-    const int src_row = valid ? row0 + row : rows_total - 1;  // a real address even when unused
-    cp_async_16(tile + row * Smem<kHeadDim>::kStride + c, src + int64_t(src_row) * kHeadDim + c,
-                valid);
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (row0 + row < rows_total)
+      value = *reinterpret_cast<const uint4*>(src + int64_t(row0 + row) * kHeadDim + c);
+    *reinterpret_cast<uint4*>(tile + row * Smem<kHeadDim>::kStride + c) = value;
   }
 }
 
@@ -251,14 +217,13 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kOSteps = kBlockN / kMmaK;       // O = P V: k runs over the block's keys
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* q_tile = reinterpret_cast<bf16*>(smem);  // [kBlockM][kStride]
-  // Stage i: K at kv_tiles + i * 2 * kBlockN * kStride, its V right after it.
-  bf16* kv_tiles = q_tile + kBlockM * kStride;
+  bf16* k_tile = q_tile + kBlockM * kStride;     // [kBlockN][kStride]
+  bf16* v_tile = k_tile + kBlockN * kStride;     // [kBlockN][kStride]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int num_q_blocks = (shape.seqlen_q + kBlockM - 1) / kBlockM;
-  const int q_block = kLongestFirst ? num_q_blocks - 1 - int(blockIdx.x % num_q_blocks)
-                                    : int(blockIdx.x % num_q_blocks);
+  const int q_block = int(blockIdx.x % num_q_blocks);
   const int64_t batch_head = blockIdx.x / num_q_blocks;
   const int64_t batch = batch_head / shape.heads_q;
   const int kv_head = int(batch_head % shape.heads_q) / shape.group_size();
@@ -268,27 +233,7 @@ __global__ void __launch_bounds__(kThreads)
   const int q_start = q_block * kBlockM;
   const int warp_row0 = warp * kMTiles * kMmaM;  // this warp's first row within the block
 
-  auto k_tile = [&](int stage) { return kv_tiles + stage * 2 * kBlockN * kStride; };
-  auto v_tile = [&](int stage) { return k_tile(stage) + kBlockN * kStride; };
-  auto load_kv = [&](int kv_block, int stage) {
-    load_tile_async<kBlockN, kHeadDim>(k_tile(stage), k_head, kv_block * kBlockN, shape.seqlen_k);
-    load_tile_async<kBlockN, kHeadDim>(v_tile(stage), v_head, kv_block * kBlockN, shape.seqlen_k);
-  };
-
-  // The key loop ends after the last key the block's bottom row sees (its diagonal, bottom-right
-  // aligned); blocks of keys that every row sees completely need no mask.
-  const int q_last = min(q_start + kBlockM, shape.seqlen_q) - 1;
-  const int kv_end = shape.causal ? max(0, min(shape.seqlen_k, q_last + shape.causal_offset() + 1))
-                                  : shape.seqlen_k;
-  const int num_kv_blocks = (kv_end + kBlockN - 1) / kBlockN;
-  const int unmasked_end =
-      shape.causal ? min(shape.seqlen_k, q_start + shape.causal_offset() + 1) : shape.seqlen_k;
-  const int num_unmasked_blocks = max(0, unmasked_end) / kBlockN;
-
-  // Prologue: Q and the first K, V in one group.
-  load_tile_async<kBlockM, kHeadDim>(q_tile, q + q_row0 * kHeadDim, q_start, shape.seqlen_q);
-  if (num_kv_blocks > 0) load_kv(0, 0);
-  cp_async_commit();
+  load_tile<kBlockM, kHeadDim>(q_tile, q + q_row0 * kHeadDim, q_start, shape.seqlen_q);
 
   // Per thread: rows g and g + 8 of each of its kMTiles tiles ([mt][half]).
   float o_acc[kMTiles][kOTiles][4] = {};
@@ -297,22 +242,16 @@ __global__ void __launch_bounds__(kThreads)
   for (int mt = 0; mt < kMTiles; ++mt)
     for (int half = 0; half < 2; ++half) m_scaled[mt][half] = kNoMax, row_sum[mt][half] = 0.0f;
 
-  // One iteration of the key loop, written once and compiled twice: with kMasked false the mask
-  // code is not there at all, so the blocks below the diagonal pay nothing for it.
-  auto process_block = [&](int kv_block, auto masked_tag) {
-    constexpr bool kMasked = decltype(masked_tag)::value;
+  const int num_kv_blocks = (shape.seqlen_k + kBlockN - 1) / kBlockN;
+  for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
     const int kv_start = kv_block * kBlockN;
-    const int stage = kv_block % kStages;
-    // Start the copy of the next block into the other buffer, then wait for this block's copy:
-    // at most one group (the one just started) may still be in flight. The last iteration
-    // commits an empty group so that the count stays the same.
-    if (kv_block + 1 < num_kv_blocks) load_kv(kv_block + 1, (kv_block + 1) % kStages);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // every thread's copies of this block have landed
+    __syncthreads();  // every warp is done with the previous K_j, V_j
+    load_tile<kBlockN, kHeadDim>(k_tile, k_head, kv_start, shape.seqlen_k);
+    load_tile<kBlockN, kHeadDim>(v_tile, v_head, kv_start, shape.seqlen_k);
+    __syncthreads();
 
     // S = Q K^T for this warp's 32 rows and the block's keys. Every K fragment feeds both row
-    // tiles: loading it once for two MMAs halves the shared-memory traffic per MMA.
+    // tiles: loading it once for two MMAs halves the bytes of K read per MMA.
     float s[kMTiles][kSTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kSSteps; ++ks) {
@@ -323,7 +262,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int nt = 0; nt < kSTiles; nt += 2) {
         uint32_t b[2][2];
-        load_b_rows(b, k_tile(stage), kStride, nt * kMmaN, ks * kMmaK, lane);
+        load_b_rows(b, k_tile, kStride, nt * kMmaN, ks * kMmaK, lane);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_16816(s[mt][nt], a[mt], b[0]);
@@ -339,8 +278,9 @@ __global__ void __launch_bounds__(kThreads)
     //
     // 1. Mask, then the row max of the block. This thread's scores sit at keys
     //    kv_start + 2t + (nt * 8 + e); those at or past the row's end (the last key, or the causal
-    //    diagonal) become -inf: one compare against a compile-time constant each. Only the
-    //    blocks that the diagonal or the end of the keys cuts have such keys (kMasked).
+    //    diagonal) become -inf: one compare against a compile-time constant each. Without the
+    //    causal mask only the last block, if partial, has such keys.
+    const bool masked = shape.causal || kv_start + kBlockN > shape.seqlen_k;
     int limit[kMTiles][2];
     float block_max[kMTiles][2];
 #pragma unroll
@@ -361,7 +301,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // i = 2 * half + e
           float& score = s[mt][nt][i];
-          if (kMasked && nt * kMmaN + i % 2 >= limit[mt][i / 2]) score = -INFINITY;
+          if (masked && nt * kMmaN + i % 2 >= limit[mt][i / 2]) score = -INFINITY;
           block_max[mt][i / 2] = fmaxf(block_max[mt][i / 2], score);
         }
 
@@ -416,7 +356,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int dt = 0; dt < kOTiles; dt += 2) {
         uint32_t b[2][2];
-        load_b_columns(b, v_tile(stage), kStride, ks * kMmaK, dt * kMmaN, lane);
+        load_b_columns(b, v_tile, kStride, ks * kMmaK, dt * kMmaN, lane);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_16816(o_acc[mt][dt], a[mt], b[0]);
@@ -424,12 +364,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    __syncthreads();  // every warp is done with this stage before the next copy refills it
-  };
-  int kv_block = 0;
-  for (; kv_block < num_unmasked_blocks; ++kv_block) process_block(kv_block, std::false_type());
-  for (; kv_block < num_kv_blocks; ++kv_block) process_block(kv_block, std::true_type());
-  cp_async_wait<0>();  // a block that saw no key skipped the loop: let its Q copy finish
+  }
 
   // O = o_acc / l and LSE = (m * scale_log2 + log2 l) / log2 e, for the rows that exist.
 #pragma unroll
@@ -484,9 +419,9 @@ inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
 }
 
 inline attn::ForwardChapter chapter() {
-  return {"09_causal_skip",
-          "chapter 08 with causal blocks above the diagonal skipped, the mask only on diagonal "
-          "blocks, and the longest query blocks first",
+  return {"08_fragment_reuse",
+          "chapter 07 with 32 query rows per warp (two MMA row tiles): every K and V fragment "
+          "loaded feeds two MMAs",
           attn::DType::kBF16,
           {64, 128},
           80,
@@ -496,4 +431,4 @@ inline attn::ForwardChapter chapter() {
           launch};
 }
 
-}  // namespace ch09
+}  // namespace ch08

@@ -1,0 +1,11 @@
+// The main() of every GPU test program (chapter tests and exercise checks).
+#pragma once
+
+namespace attn::test {
+
+// doctest's query options (--help, --list-test-cases, --count, ...) work on any machine. To run
+// the cases, a GPU of compute capability min_cc is needed: without one this prints why and returns
+// 77, which CTest reports as skipped (never as passed).
+int gpu_test_main(int argc, char** argv, const char* program, int min_cc);
+
+}  // namespace attn::test
