@@ -41,3 +41,17 @@ build_chapters() {
   cmake --preset default >/dev/null
   cmake --build --preset default -j "$(nproc)" --target "${chapters[@]}" >/dev/null
 }
+
+# Exits with status 3 and one sentence when this machine cannot run the kernels (no GPU, no driver):
+# asks the smallest chapter binary, which knows why (common/device.cpp). Builds it first if needed.
+require_gpu() {
+  cmake --preset default >/dev/null
+  cmake --build --preset default -j "$(nproc)" --target 01_naive >/dev/null
+  local why status=0
+  why=$(build/bin/01_naive --batch 1 --heads 1 --seqlen 1 --no-bench --no-check 2>&1 >/dev/null) ||
+    status=$?
+  if [ $status -eq 3 ]; then
+    echo "${0##*/}: ${why#01_naive: }" >&2
+    exit 3
+  fi
+}

@@ -7,7 +7,10 @@ GPU, and prints each chapter's TFLOP/s as a ratio of theirs. Writes the merged t
 draws the ladder plot (TFLOP/s per chapter per shape). Optional: needs PyTorch and matplotlib;
 nothing in the build or the tests does.
 
-    python3 scripts/compare_sdpa.py build/ladder.csv --out build/comparison.csv --plot docs/ladder.png
+    python3 scripts/compare_sdpa.py build/ladder.csv --plot build/ladder.png
+
+Everything it writes goes under build/ unless told otherwise: the course's own plot is made with
+`--plot docs/ladder.png` (docs/benchmarks.md, "Reproduce").
 
 Timing follows the chapters' convention (common/timing.cpp): CUDA events around each launch,
 10 warm-up launches, the median of 50. FLOPs: 4 * B * H * N^2 * D, halved for causal.
@@ -102,8 +105,12 @@ def main():
     if not records:
         sys.exit(f"{args.ladder_csv} holds no records")
 
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        sys.exit("compare_sdpa.py: needs PyTorch (pip install torch); the chapters themselves do not.")
+    if not torch.cuda.is_available():
+        sys.exit("compare_sdpa.py: PyTorch sees no CUDA GPU, so there is nothing to compare on.")
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"cuDNN {torch.backends.cudnn.version()}")

@@ -2,7 +2,8 @@
 """Turn a benchmark run into the Markdown tables of the docs and the chapter READMEs.
 
 Reads the grid CSV of `scripts/ladder --grid` and the comparison CSV of `scripts/compare_sdpa.py`
-from the same run and writes, into --out (default docs/measurements/tables):
+from the same run and writes, into --out (default build/tables; the course's own tables are made
+with --out docs/measurements/tables, see docs/benchmarks.md):
 
     <chapter>.md   every grid shape of one chapter: time, TFLOP/s, ratios to the peers, error
     peers.md       PyTorch SDPA's flash (FA2) and cuDNN backends on the same shapes
@@ -31,7 +32,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid_csv")
     parser.add_argument("comparison_csv")
-    parser.add_argument("--out", default="docs/measurements/tables")
+    parser.add_argument("--out", default="build/tables")
     args = parser.parse_args()
 
     grid = {(r["chapter"], int(r["head_dim"]), int(r["seqlen_q"]), int(r["causal"])): r
