@@ -16,7 +16,7 @@
 //
 // Two blocks per SM: at d = 64 that is what both the 228 KB of shared memory and the registers
 // allow (2 x 128 threads x 255 of the 64K registers); at d = 128 shared memory would take three,
-// and the registers (232 per thread) limit it to two.
+// and the registers (228 per thread) limit it to two.
 //
 // With the copies no longer staged through registers, d = 64 can take 128 keys per iteration
 // (chapter 08 could not: ptxas spilled 16 bytes there). Twice the keys halve the per-iteration
