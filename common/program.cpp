@@ -36,6 +36,7 @@ int forward_main(int argc, char** argv, const ForwardChapter& chapter) {
   try {
     if (std::string problem = device_problem(chapter.min_compute_capability); !problem.empty())
       return fail(problem.c_str(), kExitNoDevice);
+    require_forward_fits(chapter, cli.run);
     if (cli.format == OutputFormat::kText) std::printf("%s: %s\n", chapter.name, chapter.summary);
     const RunReport report = run_forward(chapter, cli.run);
     print_report(report, cli.format);

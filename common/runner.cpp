@@ -105,40 +105,34 @@ size_t check_host_bytes(const AttentionShape& shape, DType dtype, size_t heads) 
   return heads * per_head + std::min(workers, heads * 16) * per_worker;
 }
 
+// The (batch, head) pairs the check will compare (none when it is off).
+std::vector<HeadIndex> checked_heads(const RunOptions& options) {
+  if (!options.check) return {};
+  if (options.check_all) return all_heads(options.shape);
+  return sample_heads(options.shape, options.check_mac_budget, options.seed,
+                      size_t(options.check_max_heads));
+}
+
+size_t io_bytes(const AttentionShape& shape, DType dtype) {
+  return (2 * shape.q_elements() + 2 * shape.kv_elements()) * dtype_size(dtype) +
+         shape.lse_elements() * sizeof(float);
+}
+
 }  // namespace
 
-RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) {
+void require_forward_fits(const ForwardChapter& chapter, const RunOptions& options) {
   const AttentionShape& shape = options.shape;
-  if (std::string why = validate(shape, chapter.head_dims); !why.empty()) throw InvalidInput(why);
-  const DType dtype = chapter.dtype;
-
-  RunReport report;
-  report.chapter = chapter.name;
-  report.dtype = dtype;
-  report.shape = shape;
-  report.device = device_description();
-  report.workspace_what = chapter.workspace_what;
-  report.io_bytes = (2 * shape.q_elements() + 2 * shape.kv_elements()) * dtype_size(dtype) +
-                    shape.lse_elements() * sizeof(float);
-  report.workspace_bytes = chapter.workspace_bytes(shape);
-
-  const std::vector<HeadIndex> heads =
-      !options.check      ? std::vector<HeadIndex>{}
-      : options.check_all ? all_heads(shape)
-                          : sample_heads(shape, options.check_mac_budget, options.seed,
-                                         size_t(options.check_max_heads));
-
-  // Everything this run will hold, before any of it is allocated.
   MemoryNeed device_need;
-  device_need.add("Q, K, V, O, LSE", report.io_bytes);
-  device_need.add("workspace", report.workspace_bytes);
+  device_need.add("Q, K, V, O, LSE", io_bytes(shape, chapter.dtype));
+  device_need.add("workspace", chapter.workspace_bytes(shape));
   if (options.bench && options.timing.flush_l2)
     device_need.add("L2 flush buffer", l2_flush_bytes());
   require_device_memory(device_need);
+  const size_t heads = checked_heads(options).size();
   MemoryNeed host_need;
   host_need.add("input pieces", 6 * std::min<size_t>(kPieceElements, shape.q_elements()));
-  host_need.add("check of " + std::to_string(heads.size()) + " heads",
-                check_host_bytes(shape, dtype, heads.size()));
+  host_need.add("check of " + std::to_string(heads) + " heads",
+                check_host_bytes(shape, chapter.dtype, heads));
   if (!options.save_dir.empty())
     host_need.add("--save", 4 * size_t(2 * shape.q_elements() + 2 * shape.kv_elements() +
                                        shape.lse_elements()));
@@ -147,6 +141,24 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
                                        "none with --no-check."
                                      : "--save holds every tensor on the host: leave it out, or "
                                        "save a smaller problem.");
+}
+
+RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) {
+  const AttentionShape& shape = options.shape;
+  if (std::string why = validate(shape, chapter.head_dims); !why.empty()) throw InvalidInput(why);
+  const DType dtype = chapter.dtype;
+  // Everything this run will hold, before any of it is allocated.
+  require_forward_fits(chapter, options);
+
+  RunReport report;
+  report.chapter = chapter.name;
+  report.dtype = dtype;
+  report.shape = shape;
+  report.device = device_description();
+  report.workspace_what = chapter.workspace_what;
+  report.io_bytes = io_bytes(shape, dtype);
+  report.workspace_bytes = chapter.workspace_bytes(shape);
+  const std::vector<HeadIndex> heads = checked_heads(options);
 
   DeviceTensor q_dev(dtype, shape.q_elements()), k_dev(dtype, shape.kv_elements()),
       v_dev(dtype, shape.kv_elements()), o_dev(dtype, shape.q_elements()),

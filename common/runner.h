@@ -62,8 +62,13 @@ struct RunReport {
   const Comparison& comparison(const std::string& name) const;
 };
 
-// Throws InvalidInput for a shape the chapter rejects, OutOfDeviceMemory (device memory) or
-// OutOfHostMemory (memory_plan.h) for a problem that does not fit, or CudaError.
+// Throws OutOfDeviceMemory or OutOfHostMemory (memory_plan.h) when the run would not fit: the
+// device memory of its tensors, and the host memory of its input pieces, its check and --save.
+// run_forward asks first; the program asks before it prints anything.
+void require_forward_fits(const ForwardChapter& chapter, const RunOptions& options);
+
+// Throws InvalidInput for a shape the chapter rejects, OutOfDeviceMemory or OutOfHostMemory for a
+// problem that does not fit, or CudaError.
 RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options);
 
 }  // namespace attn
