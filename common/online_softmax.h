@@ -1,7 +1,6 @@
-// The merge rule of the online softmax, as a small host function. Chapter 03 derives it, chapters
-// 04-09 run the same rule in their own device code, and the split-KV chapter will use it to
-// combine the partial results of several thread blocks; tests/cpu checks it against a direct
-// softmax.
+// The merge rule of the online softmax, as a small host function in double. Chapter 03 derives it
+// and every later chapter runs the same rule in its own device code; here it is the host's
+// statement of the rule, which tests/cpu checks against a direct softmax.
 //
 // A partial state summarises a row's softmax over some subset of its keys:
 //   max = m = max_j s_j,   sum = l = sum_j exp(s_j - m),   acc = sum_j exp(s_j - m) * v_j

@@ -1,4 +1,4 @@
-// The edge-case matrix every forward chapter is tested over (CONVENTIONS.md, "Tests").
+// The edge-case matrix every forward chapter is tested over (README.md, "How the checking works").
 #pragma once
 
 #include <string>
