@@ -19,6 +19,7 @@ Comparison compare(const std::vector<float>& out, const std::vector<double>& ref
     if (std::isinf(r) && r < 0) {  // a row that sees no key: log-sum-exp must be -inf
       err = (std::isinf(o) && o < 0) ? 0.0 : INFINITY;
       ok = err == 0.0;
+      if (std::isnan(o)) ++c.nonfinite;
     } else {
       err = std::abs(o - r);
       if (!std::isfinite(o)) ++c.nonfinite;

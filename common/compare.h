@@ -20,7 +20,7 @@ struct Tolerance {
 struct Comparison {
   size_t count = 0;
   size_t failed = 0;     // elements outside atol + rtol * |ref| (NaN and Inf included)
-  size_t nonfinite = 0;  // NaN or Inf where the reference is finite
+  size_t nonfinite = 0;  // NaN anywhere, or Inf where the reference is finite
   double max_abs_err = 0;
   double rel_err = 0;                   // norm-wise
   std::vector<std::string> mismatches;  // the first few failures, with their position

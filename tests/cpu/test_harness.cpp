@@ -113,6 +113,12 @@ TEST_CASE("the comparison passes an exact answer and fails a wrong one") {
     out[3] = 0.0f;
     CHECK_FALSE(compare(out, ref, tol, where).passed);
   }
+  SUBCASE("a NaN where the row sees no key counts as a NaN, not only as a mismatch") {
+    out[3] = NAN;
+    const Comparison c = compare(out, ref, tol, where);
+    CHECK_FALSE(c.passed);
+    CHECK(c.nonfinite == 1);
+  }
   SUBCASE("a small error everywhere, inside each element's bound but not the norm-wise one") {
     Tolerance strict = tol;
     strict.max_rel_norm = 1e-9;
