@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The two NumPy models behind chapter 11's README (needs NumPy; nothing else uses it).
+"""The two NumPy models behind chapter 12's README (needs NumPy; nothing else uses it).
 
-1. How often a warp of chapter 11 rescales O on the benchmark's inputs: 32 query rows, Q and K
+1. How often a warp of chapter 12 rescales O on the benchmark's inputs: 32 query rows, Q and K
    ~ Normal(0, q_scale) and Normal(0, 1), scores in log2 units, the reference moved only when some
    row's max outgrows it by more than the threshold. Printed beside the count of an exact skip
    (rescale whenever any max grew).

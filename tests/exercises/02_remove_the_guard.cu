@@ -3,7 +3,7 @@
 // the rows that see no key (causal, seqlen_q > seqlen_k) come out NaN, and every other case of
 // the edge-case matrix still passes.
 //
-//   cmake --preset default -DCOURSE_EXERCISES=ON && cmake --build --preset default -j 2
+//   cmake --preset default -DCOURSE_EXERCISES=ON && cmake --build --preset default -j "$(nproc)"
 //   ctest --test-dir build -R exercise.02_remove_the_guard --output-on-failure
 #include "attention.cuh"
 

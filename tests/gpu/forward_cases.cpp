@@ -63,10 +63,10 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
   // adds up over ~33000 blocks and becomes visible, even when it is one rounding per block. The
   // log-sum-exp sees it first: a drift of l by 1e-7 per block is 3e-3 here, twice its tolerance
   // (1e-4 * |LSE| with LSE about 14), while O's elements are too small (~1e-3) to show it. It found
-  // one in chapters 06-10: an alpha of 1 + 1e-7 on every block, which O / l cancels and the LSE
-  // keeps (docs/benchmarks.md). Only for the bf16 chapters, whose per-block bookkeeping in
-  // registers is what this case is for; the fp32 chapters were not run on it (their 1e-5 tolerance
-  // was not set for sums of a million terms).
+  // one: an alpha of 1 + 1e-7 on every block, which O / l cancels and the LSE keeps
+  // (docs/benchmarks.md, "A drift that only a long sequence shows"). Only for the bf16 chapters,
+  // whose per-block bookkeeping in registers is what this case is for; the fp32 chapters were not
+  // run on it (their 1e-5 tolerance was not set for sums of a million terms).
   if (chapter.dtype == DType::kBF16) {
     AttentionShape long_keys =
         make_shape(1, 8, 1, 33, (1 << 20) + 7, tested_head_dims(chapter).back());
