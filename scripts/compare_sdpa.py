@@ -17,6 +17,7 @@ Timing follows the chapters' convention (common/timing.cpp): CUDA events around 
 """
 import argparse
 import csv
+import os
 import statistics
 import sys
 
@@ -100,6 +101,9 @@ def main():
     parser.add_argument("--plot", default="", help="PNG path for the ladder plot")
     args = parser.parse_args()
 
+    if not os.path.exists(args.ladder_csv):
+        sys.exit(f"compare_sdpa.py: {args.ladder_csv} not found: make it first with "
+                 f"scripts/ladder --grid --csv {args.ladder_csv}")
     with open(args.ladder_csv) as f:
         records = list(csv.DictReader(f))
     if not records:

@@ -34,6 +34,10 @@ def main():
     parser.add_argument("comparison_csv")
     parser.add_argument("--out", default="build/tables")
     args = parser.parse_args()
+    for path in (args.grid_csv, args.comparison_csv):
+        if not os.path.exists(path):
+            raise SystemExit(f"tables.py: {path} not found: make the grid with scripts/ladder --grid "
+                             "and the comparison with scripts/compare_sdpa.py first")
 
     grid = {(r["chapter"], int(r["head_dim"]), int(r["seqlen_q"]), int(r["causal"])): r
             for r in load(args.grid_csv)}
