@@ -24,12 +24,7 @@ TEST_CASE("at d = 64, Bc = 64 and Br = 16, in 41408 bytes of shared memory, and 
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, CHAPTER_NAMESPACE::flash1_kernel<64>));
   CHECK(attributes.sharedSizeBytes == 41408);
 
-  const attn::ForwardChapter chapter = the_chapter();
-  for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
-    INFO(c.name);
-    const attn::RunReport report = attn::run_forward(chapter, c.options);
-    CHECK_MESSAGE(report.passed, attn::test::describe_failure(report));
-  }
+  attn::test::check_every_case_passes(the_chapter());
 }
 
 int main(int argc, char** argv) {

@@ -28,12 +28,7 @@ TEST_CASE("at d = 64, Br = 64 and Bc = 32, in 42112 bytes, without spills, and s
   CHECK_MESSAGE(attributes.localSizeBytes == 0, "the kernel spills to local memory");
   INFO("registers per thread: " << attributes.numRegs);
 
-  const attn::ForwardChapter chapter = the_chapter();
-  for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
-    INFO(c.name);
-    const attn::RunReport report = attn::run_forward(chapter, c.options);
-    CHECK_MESSAGE(report.passed, attn::test::describe_failure(report));
-  }
+  attn::test::check_every_case_passes(the_chapter());
 }
 
 int main(int argc, char** argv) {

@@ -33,12 +33,7 @@ TEST_CASE("8 warps x 1 row tile: 128 query rows per block, and still correct") {
                    << attributes.maxThreadsPerBlock << " threads per block at most");
   }
 
-  const attn::ForwardChapter chapter = the_chapter();
-  for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
-    INFO(c.name);
-    const attn::RunReport report = attn::run_forward(chapter, c.options);
-    CHECK_MESSAGE(report.passed, attn::test::describe_failure(report));
-  }
+  attn::test::check_every_case_passes(the_chapter());
 }
 
 int main(int argc, char** argv) {

@@ -24,12 +24,7 @@ TEST_CASE("three stages of K and V, in 129024 (d = 64) and 87040 (d = 128) bytes
   CHECK(CHAPTER_NAMESPACE::Smem<64>::kBytes == 129024);  // (128 + 3 x 2 x 128) x 72 x 2
   CHECK(CHAPTER_NAMESPACE::Smem<128>::kBytes == 87040);  // (128 + 3 x 2 x 32) x 136 x 2
 
-  const attn::ForwardChapter chapter = the_chapter();
-  for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
-    INFO(c.name);
-    const attn::RunReport report = attn::run_forward(chapter, c.options);
-    CHECK_MESSAGE(report.passed, attn::test::describe_failure(report));
-  }
+  attn::test::check_every_case_passes(the_chapter());
 }
 
 int main(int argc, char** argv) {

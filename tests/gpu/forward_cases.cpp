@@ -1,5 +1,7 @@
 #include "forward_cases.h"
 
+#include <doctest/doctest.h>
+
 #include <sstream>
 
 namespace attn::test {
@@ -85,6 +87,14 @@ std::string describe_failure(const RunReport& r) {
   for (const OutputCheck& output : r.outputs)
     for (const auto& m : output.comparison.mismatches) s << "; " << m;
   return s.str();
+}
+
+void check_every_case_passes(const ForwardChapter& chapter) {
+  for (const ForwardCase& c : forward_cases(chapter)) {
+    INFO(c.name);
+    const RunReport report = run_forward(chapter, c.options);
+    CHECK_MESSAGE(report.passed, describe_failure(report));
+  }
 }
 
 }  // namespace attn::test

@@ -24,4 +24,8 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter);
 // One line for a failed case: shape, errors, first mismatches.
 std::string describe_failure(const RunReport& report);
 
+// Runs the chapter over every case of forward_cases() and CHECKs (doctest) that each one passes:
+// the check of an exercise whose edit must leave the chapter correct.
+void check_every_case_passes(const ForwardChapter& chapter);
+
 }  // namespace attn::test
