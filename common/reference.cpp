@@ -136,9 +136,23 @@ std::vector<HeadIndex> sample_heads(const AttentionShape& shape, double mac_budg
 ForwardReference reference_forward(const AttentionShape& shape, const std::vector<float>& q,
                                    const std::vector<float>& k, const std::vector<float>& v,
                                    const std::vector<HeadIndex>& heads, RefPrecision precision) {
+  const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
+  std::vector<HeadInputs> inputs;
+  for (const HeadIndex& h : heads) {
+    const size_t kv_head = size_t(h.batch) * shape.heads_kv + h.head / shape.group_size();
+    const size_t q_offset = (size_t(h.batch) * shape.heads_q + h.head) * sq * d;
+    inputs.push_back(
+        {q.data() + q_offset, k.data() + kv_head * sk * d, v.data() + kv_head * sk * d});
+  }
+  ForwardReference ref = reference_forward(shape, inputs, precision);
+  ref.heads = heads;
+  return ref;
+}
+
+ForwardReference reference_forward(const AttentionShape& shape,
+                                   const std::vector<HeadInputs>& heads, RefPrecision precision) {
   const int sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
   ForwardReference ref;
-  ref.heads = heads;
   ref.o.assign(heads.size() * size_t(sq) * d, 0.0);
   ref.lse.assign(heads.size() * size_t(sq), 0.0);
   // One task per (head, group of row blocks), so that a few long heads still use every core.
@@ -150,14 +164,10 @@ ForwardReference reference_forward(const AttentionShape& shape, const std::vecto
     const size_t i = task / tasks_per_head;
     const int first_row = int(task % tasks_per_head * rows_per_task);
     const int last_row = int(std::min<size_t>(sq, first_row + rows_per_task));
-    const HeadIndex& h = heads[i];
-    const int kv_head = h.head / shape.group_size();
-    const size_t q_offset = (size_t(h.batch) * shape.heads_q + h.head) * sq * d;
-    const size_t kv_offset = (size_t(h.batch) * shape.heads_kv + kv_head) * sk * d;
     max_abs[task] =
-        attend_rows(q.data() + q_offset, k.data() + kv_offset, v.data() + kv_offset, sq, sk, d,
-                    first_row, last_row, shape.causal, shape.causal_offset(), shape.softmax_scale(),
-                    precision, ref.o.data() + i * size_t(sq) * d, ref.lse.data() + i * size_t(sq));
+        attend_rows(heads[i].q, heads[i].k, heads[i].v, sq, sk, d, first_row, last_row,
+                    shape.causal, shape.causal_offset(), shape.softmax_scale(), precision,
+                    ref.o.data() + i * size_t(sq) * d, ref.lse.data() + i * size_t(sq));
   });
   for (double m : max_abs) ref.max_abs_logit = std::max(ref.max_abs_logit, m);
   return ref;

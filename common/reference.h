@@ -49,6 +49,19 @@ ForwardReference reference_forward(const AttentionShape& shape, const std::vecto
                                    const std::vector<HeadIndex>& heads,
                                    RefPrecision precision = RefPrecision::kDouble);
 
+// The inputs of one head: q [seqlen_q x head_dim], k and v [seqlen_k x head_dim], row-major.
+struct HeadInputs {
+  const float* q;
+  const float* k;
+  const float* v;
+};
+// The same for heads given by their inputs alone (the sizes, mask and scale come from shape); the
+// result's `heads` is left empty. The runner uses it to check a sample of heads without holding a
+// whole tensor on the host.
+ForwardReference reference_forward(const AttentionShape& shape,
+                                   const std::vector<HeadInputs>& heads,
+                                   RefPrecision precision = RefPrecision::kDouble);
+
 struct BackwardReference {
   std::vector<double> dq;  // like q
   std::vector<double> dk;  // like k: summed over the query heads of each group

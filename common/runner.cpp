@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "cuda_check.h"
 #include "device.h"
@@ -49,12 +50,25 @@ void upload_input(DeviceTensor& tensor, DType dtype, uint64_t seed, uint64_t str
   }
 }
 
-// The checked heads as a problem of their own: head i of it is heads[i] of the full problem, with
-// its key/value head copied beside it (batch = heads.size(), one query and one key/value head).
+// Flat index of the key/value head that query head h reads.
+size_t kv_head_of(const AttentionShape& shape, const HeadIndex& h) {
+  return size_t(h.batch) * shape.heads_kv + h.head / shape.group_size();
+}
+
+size_t distinct_kv_heads(const AttentionShape& shape, const std::vector<HeadIndex>& heads) {
+  std::vector<size_t> kv;
+  for (const HeadIndex& h : heads) kv.push_back(kv_head_of(shape, h));
+  std::sort(kv.begin(), kv.end());
+  return size_t(std::unique(kv.begin(), kv.end()) - kv.begin());
+}
+
+// What the check needs of the checked heads, and no more: their Q (made again, exactly as
+// uploaded), the K and V of the key/value heads they read (each once), and their O and LSE
+// downloaded from the device. inputs[i] points at head i's Q, K and V.
 struct CheckedHeads {
-  AttentionShape shape;
-  std::vector<float> q, k, v;  // the inputs, exactly as the device holds them
-  std::vector<float> o, lse;   // the chapter's outputs, downloaded
+  std::vector<float> q, k, v;  // q: [heads, Sq, D]; k, v: [distinct kv heads, Sk, D]
+  std::vector<float> o, lse;   // [heads, Sq, D] and [heads, Sq]
+  std::vector<HeadInputs> inputs;
 };
 
 CheckedHeads gather_checked_heads(const AttentionShape& shape, const std::vector<HeadIndex>& heads,
@@ -62,17 +76,13 @@ CheckedHeads gather_checked_heads(const AttentionShape& shape, const std::vector
                                   const DeviceTensor& lse) {
   const size_t n = heads.size(), sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
   CheckedHeads c;
-  c.shape = make_shape(int(n), 1, 1, shape.seqlen_q, shape.seqlen_k, shape.head_dim, shape.causal);
-  c.shape.scale = shape.scale;
   c.q.resize(n * sq * d);
-  c.k.resize(n * sk * d);
-  c.v.resize(n * sk * d);
   c.o.resize(n * sq * d);
   c.lse.resize(n * sq);
+  auto flat = [&](size_t j) { return size_t(heads[j].batch) * shape.heads_q + heads[j].head; };
   for (size_t i = 0; i < n;) {
     // A run of heads that are neighbours in the layout is one range of Q, O and LSE.
     size_t run = 1;
-    auto flat = [&](size_t j) { return size_t(heads[j].batch) * shape.heads_q + heads[j].head; };
     while (i + run < n && flat(i + run) == flat(i) + run) ++run;
     make_input(c.q.data() + i * sq * d, run * sq * d, flat(i) * sq * d, dtype, options.seed,
                kStreamQ, options.q_scale);
@@ -82,27 +92,42 @@ CheckedHeads gather_checked_heads(const AttentionShape& shape, const std::vector
     std::copy(lse_run.begin(), lse_run.end(), c.lse.begin() + i * sq);
     i += run;
   }
+  // Each key/value head once, in the order the checked heads first need them.
+  std::vector<size_t> kv_heads, slot(n);
+  std::unordered_map<size_t, size_t> slot_of;
   for (size_t i = 0; i < n; ++i) {
-    const size_t kv_head =
-        size_t(heads[i].batch) * shape.heads_kv + heads[i].head / shape.group_size();
-    make_input(c.k.data() + i * sk * d, sk * d, kv_head * sk * d, dtype, options.seed, kStreamK,
+    const size_t kv = kv_head_of(shape, heads[i]);
+    const auto [at, added] = slot_of.emplace(kv, kv_heads.size());
+    if (added) kv_heads.push_back(kv);
+    slot[i] = at->second;
+  }
+  c.k.resize(kv_heads.size() * sk * d);
+  c.v.resize(kv_heads.size() * sk * d);
+  for (size_t j = 0; j < kv_heads.size(); ++j) {
+    make_input(c.k.data() + j * sk * d, sk * d, kv_heads[j] * sk * d, dtype, options.seed, kStreamK,
                1.0f);
-    make_input(c.v.data() + i * sk * d, sk * d, kv_head * sk * d, dtype, options.seed, kStreamV,
+    make_input(c.v.data() + j * sk * d, sk * d, kv_heads[j] * sk * d, dtype, options.seed, kStreamV,
                1.0f);
   }
+  for (size_t i = 0; i < n; ++i)
+    c.inputs.push_back(
+        {c.q.data() + i * sq * d, c.k.data() + slot[i] * sk * d, c.v.data() + slot[i] * sk * d});
   return c;
 }
 
-// Host bytes of the check of `heads` heads: their inputs and outputs (float), the references
-// (double; bf16 chapters compute a second, plain-bf16 one), and what each reference worker holds
-// at once (its head's K and V in double, and S and P for 64 rows).
-size_t check_host_bytes(const AttentionShape& shape, DType dtype, size_t heads) {
-  const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
+// Host bytes of the check of `heads`: their Q, O and LSE (float), the K and V of the key/value
+// heads they read, the references (double; bf16 chapters compute a second, plain-bf16 one), and
+// what each reference worker holds at once (a head's K and V in double, S and P for 64 rows).
+size_t check_host_bytes(const AttentionShape& shape, DType dtype,
+                        const std::vector<HeadIndex>& heads) {
+  const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim, n = heads.size();
   const size_t references = dtype == DType::kBF16 ? 2 : 1;
-  const size_t per_head = 4 * (2 * sq * d + 2 * sk * d + sq) + references * 8 * (sq * d + sq);
+  const size_t per_head = 4 * (2 * sq * d + sq) + references * 8 * (sq * d + sq);
+  const size_t per_kv_head = 4 * 2 * sk * d;
   const size_t workers = std::max(1u, std::thread::hardware_concurrency());
   const size_t per_worker = 8 * (2 * sk * d + 2 * 64 * sk + 64 * d);
-  return heads * per_head + std::min(workers, heads * 16) * per_worker;
+  return n * per_head + distinct_kv_heads(shape, heads) * per_kv_head +
+         std::min(workers, n * 16) * per_worker;
 }
 
 // The (batch, head) pairs the check will compare (none when it is off).
@@ -128,10 +153,10 @@ void require_forward_fits(const ForwardChapter& chapter, const RunOptions& optio
   if (options.bench && options.timing.flush_l2)
     device_need.add("L2 flush buffer", l2_flush_bytes());
   require_device_memory(device_need);
-  const size_t heads = checked_heads(options).size();
+  const std::vector<HeadIndex> heads = checked_heads(options);
   MemoryNeed host_need;
   host_need.add("input pieces", 6 * std::min<size_t>(kPieceElements, shape.q_elements()));
-  host_need.add("check of " + std::to_string(heads) + " heads",
+  host_need.add("check of " + std::to_string(heads.size()) + " heads",
                 check_host_bytes(shape, chapter.dtype, heads));
   if (!options.save_dir.empty())
     host_need.add("--save", 4 * size_t(2 * shape.q_elements() + 2 * shape.kv_elements() +
@@ -196,7 +221,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
 
   if (options.check) {
     const CheckedHeads c = gather_checked_heads(shape, heads, dtype, options, o_dev, lse_dev);
-    const ForwardReference ref = reference_forward(c.shape, c.q, c.k, c.v, all_heads(c.shape));
+    const ForwardReference ref = reference_forward(shape, c.inputs);
     report.checked = true;
     report.heads_checked = heads.size();
     report.heads_total = size_t(shape.batch) * shape.heads_q;
@@ -205,8 +230,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
     if (dtype == DType::kF32) {
       o_tolerance = fp32_output_tolerance(ref.max_abs_logit);
     } else {
-      const ForwardReference plain =
-          reference_forward(c.shape, c.q, c.k, c.v, all_heads(c.shape), RefPrecision::kPlainBf16);
+      const ForwardReference plain = reference_forward(shape, c.inputs, RefPrecision::kPlainBf16);
       double plain_err = 0;
       for (size_t i = 0; i < ref.o.size(); ++i)
         plain_err = std::max(plain_err, std::abs(plain.o[i] - ref.o[i]));
