@@ -149,21 +149,36 @@ ForwardReference reference_forward(const AttentionShape& shape, const std::vecto
   return ref;
 }
 
+namespace {
+// One task per (head, group of row blocks), so that a few long heads still use every core.
+size_t rows_per_task(int seqlen_q) {
+  const size_t blocks_per_head = (seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock;
+  return kRowsPerBlock * std::max<size_t>(1, blocks_per_head / 16);
+}
+}  // namespace
+
+size_t reference_forward_worker_bytes(const AttentionShape& shape, size_t heads) {
+  const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
+  const size_t task_rows = rows_per_task(shape.seqlen_q);
+  const size_t tasks = heads * ((sq + task_rows - 1) / task_rows);
+  const size_t workers = std::min<size_t>(tasks, std::max(1u, std::thread::hardware_concurrency()));
+  // K and V in double, S and P (and S in float for the plain-bf16 form) for 64 rows, O's rows.
+  return workers * 8 * (2 * sk * d + 3 * kRowsPerBlock * sk + kRowsPerBlock * d);
+}
+
 ForwardReference reference_forward(const AttentionShape& shape,
                                    const std::vector<HeadInputs>& heads, RefPrecision precision) {
   const int sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
   ForwardReference ref;
   ref.o.assign(heads.size() * size_t(sq) * d, 0.0);
   ref.lse.assign(heads.size() * size_t(sq), 0.0);
-  // One task per (head, group of row blocks), so that a few long heads still use every core.
-  const size_t blocks_per_head = (sq + kRowsPerBlock - 1) / kRowsPerBlock;
-  const size_t rows_per_task = kRowsPerBlock * std::max<size_t>(1, blocks_per_head / 16);
-  const size_t tasks_per_head = (sq + rows_per_task - 1) / rows_per_task;
+  const size_t task_rows = rows_per_task(sq);
+  const size_t tasks_per_head = (sq + task_rows - 1) / task_rows;
   std::vector<double> max_abs(heads.size() * tasks_per_head, 0.0);
   parallel_for(max_abs.size(), [&](size_t task) {
     const size_t i = task / tasks_per_head;
-    const int first_row = int(task % tasks_per_head * rows_per_task);
-    const int last_row = int(std::min<size_t>(sq, first_row + rows_per_task));
+    const int first_row = int(task % tasks_per_head * task_rows);
+    const int last_row = int(std::min<size_t>(sq, first_row + task_rows));
     max_abs[task] =
         attend_rows(heads[i].q, heads[i].k, heads[i].v, sq, sk, d, first_row, last_row,
                     shape.causal, shape.causal_offset(), shape.softmax_scale(), precision,

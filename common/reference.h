@@ -49,6 +49,10 @@ ForwardReference reference_forward(const AttentionShape& shape, const std::vecto
                                    const std::vector<HeadIndex>& heads,
                                    RefPrecision precision = RefPrecision::kDouble);
 
+// The host memory that reference_forward's worker threads hold at once for `heads` heads of this
+// shape: each task converts its head's K and V to double and keeps S and P for 64 rows.
+size_t reference_forward_worker_bytes(const AttentionShape& shape, size_t heads);
+
 // The inputs of one head: q [seqlen_q x head_dim], k and v [seqlen_k x head_dim], row-major.
 struct HeadInputs {
   const float* q;

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <filesystem>
 #include <sstream>
-#include <thread>
 #include <unordered_map>
 
 #include "cuda_check.h"
@@ -116,18 +115,16 @@ CheckedHeads gather_checked_heads(const AttentionShape& shape, const std::vector
 }
 
 // Host bytes of the check of `heads`: their Q, O and LSE (float), the K and V of the key/value
-// heads they read, the references (double; bf16 chapters compute a second, plain-bf16 one), and
-// what each reference worker holds at once (a head's K and V in double, S and P for 64 rows).
+// heads they read, the references' results (double; bf16 chapters compute a second, plain-bf16
+// one), and what the reference's worker threads hold at once.
 size_t check_host_bytes(const AttentionShape& shape, DType dtype,
                         const std::vector<HeadIndex>& heads) {
   const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim, n = heads.size();
   const size_t references = dtype == DType::kBF16 ? 2 : 1;
   const size_t per_head = 4 * (2 * sq * d + sq) + references * 8 * (sq * d + sq);
   const size_t per_kv_head = 4 * 2 * sk * d;
-  const size_t workers = std::max(1u, std::thread::hardware_concurrency());
-  const size_t per_worker = 8 * (2 * sk * d + 2 * 64 * sk + 64 * d);
   return n * per_head + distinct_kv_heads(shape, heads) * per_kv_head +
-         std::min(workers, n * 16) * per_worker;
+         (n ? reference_forward_worker_bytes(shape, n) : 0);
 }
 
 // The (batch, head) pairs the check will compare (none when it is off).

@@ -266,3 +266,14 @@ TEST_CASE("paged decode reference equals decode on the same tokens, and ignores 
   }
   for (size_t i = 0; i < plain.lse.size(); ++i) CHECK(paged.lse[i] == plain.lse[i]);
 }
+
+TEST_CASE("the reference's worker memory follows its tasks, not the size of the whole problem") {
+  // 33 queries over a million keys, 2 heads: two tasks, so at most two workers, each with K and V
+  // in double (2 x 2^20 x 128 x 8 bytes) and S, P for 64 rows.
+  const AttentionShape s = make_shape(1, 8, 1, 33, 1 << 20, 128);
+  const size_t per_worker = 8 * (2 * size_t(1 << 20) * 128 + 3 * 64 * size_t(1 << 20) + 64 * 128);
+  const size_t two_heads = reference_forward_worker_bytes(s, 2);
+  CHECK(two_heads <= 2 * per_worker);
+  CHECK(two_heads >= per_worker);
+  CHECK(reference_forward_worker_bytes(s, 0) == 0);
+}
