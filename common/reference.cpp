@@ -101,6 +101,10 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
 
 }  // namespace
 
+size_t kv_head_of(const AttentionShape& shape, const HeadIndex& h) {
+  return size_t(h.batch) * shape.heads_kv + h.head / shape.group_size();
+}
+
 std::vector<HeadIndex> all_heads(const AttentionShape& shape) {
   std::vector<HeadIndex> heads;
   for (int b = 0; b < shape.batch; ++b)
@@ -139,7 +143,7 @@ ForwardReference reference_forward(const AttentionShape& shape, const std::vecto
   const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
   std::vector<HeadInputs> inputs;
   for (const HeadIndex& h : heads) {
-    const size_t kv_head = size_t(h.batch) * shape.heads_kv + h.head / shape.group_size();
+    const size_t kv_head = kv_head_of(shape, h);
     const size_t q_offset = (size_t(h.batch) * shape.heads_q + h.head) * sq * d;
     inputs.push_back(
         {q.data() + q_offset, k.data() + kv_head * sk * d, v.data() + kv_head * sk * d});

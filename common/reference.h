@@ -21,6 +21,9 @@ struct HeadIndex {
   }
 };
 
+// The flat index (batch * heads_kv + kv head) of the key/value head that query head h reads.
+size_t kv_head_of(const AttentionShape& shape, const HeadIndex& h);
+
 // Every (batch, query head) pair, in layout order.
 std::vector<HeadIndex> all_heads(const AttentionShape& shape);
 // Pairs to check on a large problem: the first and the last pair, plus pairs drawn at random

@@ -49,11 +49,6 @@ void upload_input(DeviceTensor& tensor, DType dtype, uint64_t seed, uint64_t str
   }
 }
 
-// Flat index of the key/value head that query head h reads.
-size_t kv_head_of(const AttentionShape& shape, const HeadIndex& h) {
-  return size_t(h.batch) * shape.heads_kv + h.head / shape.group_size();
-}
-
 size_t distinct_kv_heads(const AttentionShape& shape, const std::vector<HeadIndex>& heads) {
   std::vector<size_t> kv;
   for (const HeadIndex& h : heads) kv.push_back(kv_head_of(shape, h));

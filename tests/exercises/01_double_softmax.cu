@@ -12,14 +12,10 @@
 #include <doctest/doctest.h>
 
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("with the softmax in double, every case passes, the large logits included") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int large_logit_cases = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     INFO(c.name);
@@ -33,9 +29,4 @@ TEST_CASE("with the softmax in double, every case passes, the large logits inclu
     CHECK_MESSAGE(report.passed, attn::test::describe_failure(report));
   }
   CHECK(large_logit_cases > 0);
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.01_double_softmax",
-                                   the_chapter().min_compute_capability);
 }

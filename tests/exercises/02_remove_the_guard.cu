@@ -10,14 +10,10 @@
 #include <doctest/doctest.h>
 
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("without the guard, the rows that see no key are NaN, and nothing else fails") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int cases_with_empty_rows = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     if (!c.expect_pass) continue;
@@ -34,9 +30,4 @@ TEST_CASE("without the guard, the rows that see no key are NaN, and nothing else
     }
   }
   CHECK(cases_with_empty_rows > 0);
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.02_remove_the_guard",
-                                   the_chapter().min_compute_capability);
 }

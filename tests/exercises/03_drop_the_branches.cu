@@ -13,11 +13,9 @@
 #include <doctest/doctest.h>
 
 #include "forward_cases.h"
-#include "gpu_main.h"
+#include "chapter_main.h"
 
 namespace {
-
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
 
 // Lane L folds keys L, L + 32, ... A lane whose first key is hidden (and exists: L < seqlen_k)
 // ends with sum NaN. The first butterfly step merges it with lane L ^ 16: if that lane sees a key,
@@ -38,7 +36,7 @@ bool some_row_gets_nan(const attn::AttentionShape& shape) {
 }  // namespace
 
 TEST_CASE("with the plain update, the predicted causal cases get a NaN LSE, and nothing else") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int cases_with_nan = 0, causal_cases_that_pass = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     INFO(c.name);
@@ -56,9 +54,4 @@ TEST_CASE("with the plain update, the predicted causal cases get a NaN LSE, and 
   }
   CHECK(cases_with_nan > 0);
   CHECK(causal_cases_that_pass > 0);
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.03_drop_the_branches",
-                                   the_chapter().min_compute_capability);
 }

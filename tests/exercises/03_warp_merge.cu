@@ -15,7 +15,7 @@
 
 #include "cuda_check.h"
 #include "device_buffer.h"
-#include "gpu_main.h"
+#include "chapter_main.h"
 
 namespace {
 
@@ -74,9 +74,4 @@ TEST_CASE("fold and warp_merge give every lane the max and the sum of the whole 
       "the same checks. (3) A row of 64 -INFINITY: every lane ends with max -inf and sum 0, not "
       "NaN. (4) States made by hand: lane L starts from (max -30 L, sum 1); every lane must end "
       "with max 0 and the sum over L of exp(-30 L) computed in double.");
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.03_warp_merge",
-                                   CHAPTER_NAMESPACE::chapter().min_compute_capability);
 }

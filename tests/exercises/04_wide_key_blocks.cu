@@ -11,11 +11,7 @@
 
 #include "cuda_check.h"
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("at d = 64, Bc = 64 and Br = 16, in 41408 bytes of shared memory, and still correct") {
   CHECK(CHAPTER_NAMESPACE::Tile<64>::kBlockN == 64);
@@ -24,10 +20,5 @@ TEST_CASE("at d = 64, Bc = 64 and Br = 16, in 41408 bytes of shared memory, and 
   CUDA_CHECK(cudaFuncGetAttributes(&attributes, CHAPTER_NAMESPACE::flash1_kernel<64>));
   CHECK(attributes.sharedSizeBytes == 41408);
 
-  attn::test::check_every_case_passes(the_chapter());
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.04_wide_key_blocks",
-                                   the_chapter().min_compute_capability);
+  attn::test::check_every_case_passes(CHAPTER_NAMESPACE::chapter());
 }

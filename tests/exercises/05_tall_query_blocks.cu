@@ -13,11 +13,7 @@
 
 #include "cuda_check.h"
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("at d = 64, Br = 64 and Bc = 32, in 42112 bytes, without spills, and still correct") {
   CHECK(CHAPTER_NAMESPACE::Tile<64>::kBlockM == 64);
@@ -28,10 +24,5 @@ TEST_CASE("at d = 64, Br = 64 and Bc = 32, in 42112 bytes, without spills, and s
   CHECK_MESSAGE(attributes.localSizeBytes == 0, "the kernel spills to local memory");
   INFO("registers per thread: " << attributes.numRegs);
 
-  attn::test::check_every_case_passes(the_chapter());
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.05_tall_query_blocks",
-                                   the_chapter().min_compute_capability);
+  attn::test::check_every_case_passes(CHAPTER_NAMESPACE::chapter());
 }

@@ -12,15 +12,14 @@
 
 #include "cuda_check.h"
 #include "forward_cases.h"
-#include "gpu_main.h"
+#include "chapter_main.h"
 
 namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
 constexpr int64_t kMaxGridY = 65535;
 }  // namespace
 
 TEST_CASE("with (batch, head) in gridDim.y, only the case above 65535 pairs fails, at launch") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int cases_above_the_limit = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     INFO(c.name);
@@ -36,9 +35,4 @@ TEST_CASE("with (batch, head) in gridDim.y, only the case above 65535 pairs fail
     }
   }
   CHECK(cases_above_the_limit > 0);
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.05_two_d_grid",
-                                   the_chapter().min_compute_capability);
 }

@@ -12,14 +12,10 @@
 #include <doctest/doctest.h>
 
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("without .trans, O is wrong in every case and the LSE is right in every case") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int cases = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     if (!c.expect_pass) continue;
@@ -33,9 +29,4 @@ TEST_CASE("without .trans, O is wrong in every case and the LSE is right in ever
     CHECK_MESSAGE(lse.passed, attn::test::describe_failure(report));
   }
   CHECK(cases > 0);
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.07_no_trans",
-                                   the_chapter().min_compute_capability);
 }

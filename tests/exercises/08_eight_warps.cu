@@ -14,11 +14,7 @@
 
 #include "cuda_check.h"
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("8 warps x 1 row tile: 128 query rows per block, and still correct") {
   CHECK(CHAPTER_NAMESPACE::kWarps == 8);
@@ -33,10 +29,5 @@ TEST_CASE("8 warps x 1 row tile: 128 query rows per block, and still correct") {
                    << attributes.maxThreadsPerBlock << " threads per block at most");
   }
 
-  attn::test::check_every_case_passes(the_chapter());
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.08_eight_warps",
-                                   the_chapter().min_compute_capability);
+  attn::test::check_every_case_passes(CHAPTER_NAMESPACE::chapter());
 }

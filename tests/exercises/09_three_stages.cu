@@ -13,21 +13,12 @@
 #include <doctest/doctest.h>
 
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("three stages of K and V, in 129024 (d = 64) and 87040 (d = 128) bytes, still correct") {
   CHECK(CHAPTER_NAMESPACE::kStages == 3);
   CHECK(CHAPTER_NAMESPACE::Smem<64>::kBytes == 129024);  // (128 + 3 x 2 x 128) x 72 x 2
   CHECK(CHAPTER_NAMESPACE::Smem<128>::kBytes == 87040);  // (128 + 3 x 2 x 32) x 136 x 2
 
-  attn::test::check_every_case_passes(the_chapter());
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.09_three_stages",
-                                   the_chapter().min_compute_capability);
+  attn::test::check_every_case_passes(CHAPTER_NAMESPACE::chapter());
 }

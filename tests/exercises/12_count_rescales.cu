@@ -19,8 +19,8 @@
 #include <doctest/doctest.h>
 
 #include "cuda_check.h"
-#include "gpu_main.h"
 #include "runner.h"
+#include "chapter_main.h"
 
 // This check has to compile before the counter exists, so it declares a stand-in of another type
 // in the global namespace. A name looked up from inside the chapter's namespace finds the
@@ -89,9 +89,4 @@ TEST_CASE("rescale_count counts one per warp and moved reference") {
     CHECK_MESSAGE(at_1 == warps, "at q_scale 1 only the first block of each warp should move");
     CHECK_MESSAGE(at_16 >= 4 * warps, "at q_scale 16 the maxima grow by more than 8 often");
   }
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.12_count_rescales",
-                                   CHAPTER_NAMESPACE::chapter().min_compute_capability);
 }

@@ -13,16 +13,12 @@
 #include <doctest/doctest.h>
 
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("with a threshold of 200, the large-logit cases overflow and nothing else fails") {
   REQUIRE_MESSAGE(CHAPTER_NAMESPACE::kRescaleThreshold >= 200.0f,
                   "set kRescaleThreshold = 200.0f in the chapter first");
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int large_logit_cases = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     if (!c.expect_pass) continue;
@@ -37,9 +33,4 @@ TEST_CASE("with a threshold of 200, the large-logit cases overflow and nothing e
     }
   }
   CHECK(large_logit_cases > 0);
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.12_threshold_200",
-                                   the_chapter().min_compute_capability);
 }

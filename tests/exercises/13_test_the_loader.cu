@@ -15,7 +15,7 @@
 
 #include "cuda_check.h"
 #include "device_buffer.h"
-#include "gpu_main.h"
+#include "chapter_main.h"
 
 namespace {
 
@@ -80,9 +80,4 @@ TEST_CASE("load_tile_async copies the rows that exist, zero-fills the others, sp
       "single row (rows_total = 1, row0 = 0). CHECK for every row r of the tile and column c < d: "
       "the element equals matrix[(row0 + r) * d + c] when row0 + r < rows_total and 0 otherwise; "
       "and that every padding element (columns d to kStride - 1) still reads kUntouched.");
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.13_test_the_loader",
-                                   CHAPTER_NAMESPACE::chapter().min_compute_capability);
 }

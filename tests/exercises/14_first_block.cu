@@ -14,14 +14,10 @@
 #include <doctest/doctest.h>
 
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("without the first block's reference, every case has rows whose O is not finite") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int cases = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     if (!c.expect_pass) continue;
@@ -32,9 +28,4 @@ TEST_CASE("without the first block's reference, every case has rows whose O is n
                   "O is finite: does the first block still set the reference?");
   }
   CHECK(cases > 0);
-}
-
-int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, "exercise.14_first_block",
-                                   the_chapter().min_compute_capability);
 }

@@ -5,7 +5,7 @@ namespace attn::test {
 
 // doctest's query options (--help, --list-test-cases, --count, ...) work on any machine. To run
 // the cases, a GPU of compute capability min_cc is needed: without one this prints why and returns
-// 77, which CTest reports as skipped (never as passed).
-int gpu_test_main(int argc, char** argv, const char* program, int min_cc);
+// 77, which CTest reports as skipped (never as passed). gpu/chapter_main.cu calls it.
+int gpu_test_main(int argc, char** argv, int min_cc);
 
 }  // namespace attn::test

@@ -1,22 +1,16 @@
 // The GPU test of one forward chapter. CMake compiles this file once per chapter, with the
 // chapter's folder on the include path and its namespace in CHAPTER_NAMESPACE. Without a usable GPU
-// the program exits with 77, which CTest reports as skipped (never as passed): gpu_main.h.
+// the program exits with 77, which CTest reports as skipped (never as passed): chapter_main.h.
 #include "attention.cuh"
 
 #include <doctest/doctest.h>
 
 #include "device_buffer.h"
 #include "forward_cases.h"
-#include "gpu_main.h"
-
-namespace {
-
-attn::ForwardChapter the_chapter() { return CHAPTER_NAMESPACE::chapter(); }
-
-}  // namespace
+#include "chapter_main.h"
 
 TEST_CASE("forward pass matches the Eigen reference over the edge-case matrix") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
     INFO(chapter.name << ": " << c.name);
     // The same runner as the chapter binary, with the check on and the timing off.
@@ -31,7 +25,7 @@ TEST_CASE("forward pass matches the Eigen reference over the edge-case matrix") 
 }
 
 TEST_CASE("a head_dim the chapter does not support is refused with a sentence") {
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   attn::RunOptions options;
   options.shape.head_dim = chapter.head_dims.empty() ? 300 : 96;
   options.bench = false;
@@ -41,7 +35,7 @@ TEST_CASE("a head_dim the chapter does not support is refused with a sentence") 
 TEST_CASE("a problem larger than the GPU is refused before anything is allocated") {
   // 100000 x 64 heads at seqlen 65536 is petabytes: the plan refuses it in one sentence (exit
   // status 3 in the binary) instead of a failed allocation or a host std::bad_alloc halfway.
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   attn::RunOptions options;
   options.shape = attn::make_shape(100000, 64, 64, 65536, 65536,
                                    chapter.head_dims.empty() ? 64 : chapter.head_dims.front());
@@ -53,7 +47,7 @@ TEST_CASE("a problem larger than the GPU is refused before anything is allocated
 
 TEST_CASE("two runs with the same seed give the same answer, another seed another answer") {
   // Catches results that depend on leftovers in device memory or on scheduling (races).
-  const attn::ForwardChapter chapter = the_chapter();
+  const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   attn::RunOptions options;
   options.shape.batch = 2;
   options.shape.heads_q = options.shape.heads_kv = 4;
@@ -69,9 +63,4 @@ TEST_CASE("two runs with the same seed give the same answer, another seed anothe
   CHECK(first.comparison("o").rel_err == second.comparison("o").rel_err);
   CHECK(other.passed);
   CHECK(first.comparison("o").rel_err != other.comparison("o").rel_err);
-}
-
-int main(int argc, char** argv) {
-  const attn::ForwardChapter chapter = the_chapter();
-  return attn::test::gpu_test_main(argc, argv, chapter.name, chapter.min_compute_capability);
 }
