@@ -1,5 +1,6 @@
 // The interface between a chapter and the harness: what a chapter's attention.cuh provides, and
-// what the runner hands to its launch function. Nothing in here is part of the lesson.
+// what the runner hands to its launch function, one pair per kind of chapter (forward, backward).
+// Nothing in here is part of the lesson.
 #pragma once
 
 #include <cstddef>
@@ -33,6 +34,36 @@ struct ForwardChapter {
   size_t (*workspace_bytes)(const AttentionShape& shape);  // device scratch the launch needs
   const char* workspace_what;  // what the scratch holds, for the report ("" if none)
   void (*launch)(const ForwardParams& params, cudaStream_t stream);
+};
+
+// The backward pass: the gradients of a loss L with respect to q, k and v, given dO = dL/dO. O and
+// LSE come from the forward pass (the harness runs its own plain forward kernel to make them).
+struct BackwardParams {
+  AttentionShape shape;
+  const void* q = nullptr;     // [batch, heads_q, seqlen_q, head_dim]
+  const void* k = nullptr;     // [batch, heads_kv, seqlen_k, head_dim]
+  const void* v = nullptr;     // [batch, heads_kv, seqlen_k, head_dim]
+  const void* o = nullptr;     // [batch, heads_q, seqlen_q, head_dim], the forward output
+  const float* lse = nullptr;  // [batch, heads_q, seqlen_q], -inf for a row that sees no key
+  const void* dout = nullptr;  // [batch, heads_q, seqlen_q, head_dim], dL/dO
+  void* dq = nullptr;          // like q
+  void* dk = nullptr;          // like k: summed over the query heads of each group
+  void* dv = nullptr;          // like v: summed over the query heads of each group
+  // Only for chapters with has_deterministic_mode: the same bits on every run of the same inputs.
+  bool deterministic = false;
+  void* workspace = nullptr;  // BackwardChapter::workspace_bytes(shape) bytes, uninitialised
+};
+
+struct BackwardChapter {
+  const char* name;     // the folder, e.g. "15_backward_recompute"
+  const char* summary;  // one line: what this step does
+  DType dtype;          // of Q, K, V, O, dO and the gradients
+  std::vector<int> head_dims;
+  int min_compute_capability;
+  bool has_deterministic_mode;  // accepts --deterministic
+  size_t (*workspace_bytes)(const AttentionShape& shape);  // enough for either mode
+  const char* workspace_what;
+  void (*launch)(const BackwardParams& params, cudaStream_t stream);
 };
 
 }  // namespace attn

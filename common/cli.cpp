@@ -78,6 +78,7 @@ CliOptions parse_cli(const std::vector<std::string>& args) {
     else if (option == "--csv") cli.format = OutputFormat::kCsv;
     else if (option == "--json") cli.format = OutputFormat::kJson;
     else if (option == "--save") cli.run.save_dir = next();
+    else if (option == "--deterministic") cli.run.deterministic = true;
     else throw InvalidInput("unknown option '" + args[i] + "'; --help lists the options.");
   }
   if (!heads_kv_given) cli.run.shape.heads_kv = cli.run.shape.heads_q;
@@ -85,14 +86,33 @@ CliOptions parse_cli(const std::vector<std::string>& args) {
   return cli;
 }
 
-std::string usage(const ForwardChapter& chapter) {
+namespace {
+
+struct UsageOf {
+  const char* name;
+  const char* summary;
+  DType dtype;
+  const std::vector<int>& head_dims;
+  ChapterKind kind;
+  bool has_deterministic_mode;
+};
+
+std::string usage_text(const UsageOf& chapter) {
   const AttentionShape d = default_shape();
+  const bool backward = chapter.kind == ChapterKind::kBackward;
   std::ostringstream s;
-  s << chapter.name << ": " << chapter.summary << "\n\n"
-    << "Runs the chapter's attention forward pass on random inputs, checks it against the Eigen\n"
-    << "CPU reference, then times it. Q, K, V, O are [batch, heads, seqlen, head_dim], "
-    << dtype_name(chapter.dtype) << ".\n\n"
-    << "Shape:\n"
+  s << chapter.name << ": " << chapter.summary << "\n\n";
+  if (backward) {
+    s << "Runs the chapter's attention backward pass on random inputs (Q, K, V and dO; O and LSE\n"
+      << "from the harness's own forward kernel), checks dQ, dK, dV against the Eigen CPU\n"
+      << "reference, then times it (TFLOP/s count 2.5x the forward's FLOPs). Q, K, V, O are\n"
+      << "[batch, heads, seqlen, head_dim], " << dtype_name(chapter.dtype) << ".\n\n";
+  } else {
+    s << "Runs the chapter's attention forward pass on random inputs, checks it against the Eigen\n"
+      << "CPU reference, then times it. Q, K, V, O are [batch, heads, seqlen, head_dim], "
+      << dtype_name(chapter.dtype) << ".\n\n";
+  }
+  s << "Shape:\n"
     << "  --batch N        sequences in the batch (default " << d.batch << ")\n"
     << "  --heads N        query heads (default " << d.heads_q << ")\n"
     << "  --heads-kv N     key/value heads; heads must be a multiple (default: = heads)\n"
@@ -105,28 +125,51 @@ std::string usage(const ForwardChapter& chapter) {
   s << "; default " << d.head_dim << ")\n"
     << "  --causal         causal mask, aligned to the bottom-right corner when seqlen_q != "
        "seqlen_k\n"
-    << "  --scale F        softmax scale (default 1/sqrt(head_dim))\n"
-    << "Inputs:\n"
+    << "  --scale F        softmax scale (default 1/sqrt(head_dim))\n";
+  if (chapter.has_deterministic_mode)
+    s << "Mode:\n"
+      << "  --deterministic  dQ from a separate pass without atomics: the same bits on every run\n";
+  s << "Inputs:\n"
     << "  --seed N         seed of the random inputs (default 1234)\n"
     << "  --q-scale F      Q ~ Normal(0, F); 100 makes the logits large enough to overflow exp()\n"
     << "                   without the max trick (default 1)\n"
     << "Check:\n"
-    << "  --no-check       skip the comparison with the CPU reference\n"
-    << "  --check-all      check every (batch, head) pair; by default large problems check a\n"
-    << "                   sample of pairs, and the report says which\n"
-    << "  --check-heads N  check at most N pairs (1: the first pair only)\n"
-    << "Timing:\n"
+    << "  --no-check       skip the comparison with the CPU reference\n";
+  if (backward) {
+    s << "  --check-all      check every (batch, key/value head) group; by default large problems\n"
+      << "                   check a sample of groups, and the report says which\n"
+      << "  --check-heads N  check at most N groups (1: the first group only)\n";
+  } else {
+    s << "  --check-all      check every (batch, head) pair; by default large problems check a\n"
+      << "                   sample of pairs, and the report says which\n"
+      << "  --check-heads N  check at most N pairs (1: the first pair only)\n";
+  }
+  s << "Timing:\n"
     << "  --no-bench       run and check only\n"
     << "  --warmup N       untimed launches first (default 10)\n"
     << "  --iters N        timed launches; the median is reported (default 50)\n"
     << "  --flush-l2       overwrite the L2 cache before every timed launch\n"
     << "Output:\n"
     << "  --csv | --json   one machine-readable record instead of the report\n"
-    << "  --save DIR       write q, k, v, o, lse to DIR as float32 .npy files\n"
+    << "  --save DIR       write "
+    << (backward ? "q, k, v, o, lse, dout, dq, dk, dv" : "q, k, v, o, lse")
+    << " to DIR as float32 .npy files\n"
     << "  -h, --help       this text\n\n"
     << "Exit status: 0 pass, 1 check failed, 2 bad option, unsupported shape, or too large for\n"
     << "host memory, 3 no usable GPU (none, too old) or too large for its memory, 4 CUDA error.\n";
   return s.str();
+}
+
+}  // namespace
+
+std::string usage(const ForwardChapter& chapter) {
+  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.head_dims,
+                     ChapterKind::kForward, false});
+}
+
+std::string usage(const BackwardChapter& chapter) {
+  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.head_dims,
+                     ChapterKind::kBackward, chapter.has_deterministic_mode});
 }
 
 }  // namespace attn

@@ -21,6 +21,8 @@ AttentionShape default_shape();
 
 // Throws InvalidInput with one sentence on an unknown option or a bad value.
 CliOptions parse_cli(const std::vector<std::string>& args);
+// --help of a chapter binary of either kind.
 std::string usage(const ForwardChapter& chapter);
+std::string usage(const BackwardChapter& chapter);
 
 }  // namespace attn

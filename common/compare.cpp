@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 
 namespace attn {
@@ -38,8 +39,9 @@ Comparison compare(const std::vector<float>& out, const std::vector<double>& ref
       }
     }
   }
+  const double ref_norm = std::max(std::sqrt(ref_sq), tolerance.norm_floor);
   c.rel_err =
-      c.nonfinite ? INFINITY : (ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : std::sqrt(err_sq));
+      c.nonfinite ? INFINITY : (ref_norm > 0 ? std::sqrt(err_sq) / ref_norm : std::sqrt(err_sq));
   c.passed = c.failed == 0 && c.rel_err <= tolerance.max_rel_norm;
   return c;
 }
@@ -60,6 +62,39 @@ Tolerance fp32_output_tolerance(double max_abs_logit) {
   Tolerance t{1e-5 * f, 1e-5 * f, 1e-4 * f, ""};
   t.rule = format_rule("fp32:", t);
   return t;
+}
+
+Tolerance fp32_gradient_tolerance(double max_abs_logit, const GradientScale& scale,
+                                  size_t elements) {
+  const double f = logit_factor(max_abs_logit);
+  Tolerance t{1e-5 * f, 1e-5 * f * scale.max_abs, 1e-4 * f, ""};
+  t.norm_floor = scale.rms * std::sqrt(double(elements));
+  std::ostringstream s;
+  s.precision(2);
+  s << "fp32: rel <= " << t.max_rel_norm << ", |err| <= " << 1e-5 * f << "*max|grad| + " << t.rtol
+    << "*|ref|";
+  t.rule = s.str();
+  return t;
+}
+
+Tolerance bf16_gradient_tolerance(double plain_bf16_max_abs_err, const GradientScale& scale,
+                                  size_t elements) {
+  Tolerance t = bf16_output_tolerance(plain_bf16_max_abs_err);
+  t.norm_floor = scale.rms * std::sqrt(double(elements));
+  return t;
+}
+
+uint64_t checksum(const std::vector<float>& values) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (float value : values) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    for (int byte = 0; byte < 4; ++byte) {
+      hash ^= (bits >> (8 * byte)) & 0xFF;
+      hash *= 0x100000001b3ull;
+    }
+  }
+  return hash;
 }
 
 Tolerance bf16_output_tolerance(double plain_bf16_max_abs_err) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -11,10 +12,11 @@
 namespace attn {
 
 struct Tolerance {
-  double max_rel_norm = 0;  // ||out - ref||_2 / ||ref||_2 may not exceed this
+  double max_rel_norm = 0;  // ||out - ref||_2 / max(||ref||_2, norm_floor) may not exceed this
   double atol = 0;          // and every element: |out - ref| <= atol + rtol * |ref|
   double rtol = 0;
   std::string rule;  // the rule in words, for the report
+  double norm_floor = 0;
 };
 
 struct Comparison {
@@ -37,10 +39,32 @@ Comparison compare(const std::vector<float>& out, const std::vector<double>& ref
 // one, hence 1e-5 with margin. A logit error becomes a relative error of the same size in exp(),
 // and the logits' rounding error grows with their size, so the bound grows with max|logit| / 16.
 Tolerance fp32_output_tolerance(double max_abs_logit);
+// The size of a backward run's gradients: the largest element and the largest root-mean-square
+// of dQ, dK and dV (of the reference, over the checked groups).
+struct GradientScale {
+  double max_abs = 0;
+  double rms = 0;
+};
+// A gradient can be 0 by cancellation: with one key, P = 1 and dS = P (dP - D) = dP - D, which is 0
+// in exact arithmetic, while float computes dP and D = rowsum(dO * O) in different orders and
+// leaves a residue of about 1e-7 of each. Against an exact 0 any residue is an infinite relative
+// error, so a gradient's errors are measured against the size of the run's gradients as well as
+// its own: element-wise against the largest element of the three, norm-wise against
+// max(||ref||, scale.rms * sqrt(elements)), the norm the gradient would have at the largest RMS.
+// fp32: float's rule as for O (1e-5, widened for large logits).
+Tolerance fp32_gradient_tolerance(double max_abs_logit, const GradientScale& scale,
+                                  size_t elements);
+// bf16: the FlashAttention test rule, as for O, on the same norm floor.
+Tolerance bf16_gradient_tolerance(double plain_bf16_max_abs_err, const GradientScale& scale,
+                                  size_t elements);
 // O of a bf16 chapter: at most twice the largest error that a plain bf16 implementation makes on
 // the same rounded inputs (plus 1e-5), the rule of the FlashAttention tests; and whatever that
 // gives, a norm-wise relative error under 1e-2.
 Tolerance bf16_output_tolerance(double plain_bf16_max_abs_err);
+// FNV-1a over the bits of the values: equal checksums mean (all but surely) equal outputs, so a
+// test can ask that two runs gave the same bits without keeping both.
+uint64_t checksum(const std::vector<float>& values);
+
 // The log-sum-exp is computed in float in every chapter (from bf16 inputs the products are exact),
 // so it gets float's rule whatever the element type; bf16 chapters get 10x the room for their
 // faster exp2 approximation.

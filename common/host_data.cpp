@@ -80,6 +80,22 @@ void round_to_bf16(std::vector<float>& values) {
   for (float& v : values) v = round_to_bf16(v);
 }
 
+void make_input(float* out, size_t count, size_t first, DType dtype, uint64_t seed, uint64_t stream,
+                float stddev) {
+  fill_normal(out, count, seed, stream, stddev, first);
+  if (dtype == DType::kBF16)
+    for (size_t i = 0; i < count; ++i) out[i] = round_to_bf16(out[i]);
+}
+
+void upload_input(DeviceTensor& tensor, DType dtype, uint64_t seed, uint64_t stream, float stddev) {
+  std::vector<float> piece(std::min(kInputPieceElements, tensor.count()));
+  for (size_t first = 0; first < tensor.count(); first += piece.size()) {
+    const size_t count = std::min(piece.size(), tensor.count() - first);
+    make_input(piece.data(), count, first, dtype, seed, stream, stddev);
+    tensor.upload(piece.data(), count, first);
+  }
+}
+
 DeviceTensor::DeviceTensor(DType dtype, size_t count)
     : dtype_(dtype), count_(count), bytes_(count * dtype_size(dtype)) {}
 

@@ -24,6 +24,25 @@ float bf16_bits_to_float(uint16_t bits);
 float round_to_bf16(float value);
 void round_to_bf16(std::vector<float>& values);
 
+// The random inputs of every kind of run. Each tensor draws from its own stream of the seed, so a
+// run can make any piece of any input again (the check does, for the heads it compares).
+enum InputStream : uint64_t { kStreamQ = 0, kStreamK = 1, kStreamV = 2, kStreamDOut = 3 };
+// Inputs are made and uploaded this many elements at a time (32 MB of float), so the host never
+// holds a whole tensor: a problem that fits the GPU does not need the same again in host memory.
+constexpr size_t kInputPieceElements = size_t(1) << 23;
+
+class DeviceTensor;
+// Elements [first, first + count) of an input stream, Normal(0, stddev), rounded to `dtype`.
+void make_input(float* out, size_t count, size_t first, DType dtype, uint64_t seed, uint64_t stream,
+                float stddev);
+// The whole tensor, made and uploaded piece by piece.
+void upload_input(DeviceTensor& tensor, DType dtype, uint64_t seed, uint64_t stream, float stddev);
+// Host bytes upload_input holds at once for a tensor of `elements` (the float piece and its bf16
+// copy), with room for either element type.
+inline size_t input_piece_host_bytes(size_t elements) {
+  return 6 * (elements < kInputPieceElements ? elements : kInputPieceElements);
+}
+
 // A device tensor stored in `dtype`, built from exactly the host values given (which must already
 // be representable: call round_to_bf16 first for bf16), or read back as float.
 class DeviceTensor {

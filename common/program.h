@@ -1,5 +1,5 @@
-// The whole program of a forward chapter binary: parse the command line, run, print the report,
-// and turn what happened into an exit status.
+// The whole program of a chapter binary, forward or backward: parse the command line, run, print
+// the report, and turn what happened into an exit status.
 #pragma once
 
 #include "chapter_api.h"
@@ -16,5 +16,6 @@ enum ExitCode : int {
 };
 
 int forward_main(int argc, char** argv, const ForwardChapter& chapter);
+int backward_main(int argc, char** argv, const BackwardChapter& chapter);
 
 }  // namespace attn

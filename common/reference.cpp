@@ -6,6 +6,7 @@
 #include <limits>
 #include <numeric>
 #include <thread>
+#include <type_traits>
 
 #include <Eigen/Dense>
 
@@ -192,50 +193,255 @@ ForwardReference reference_forward(const AttentionShape& shape,
   return ref;
 }
 
+namespace {
+
+// The backward in tiles of kRowsPerBlock query rows by kKeysPerBlock keys, in two passes:
+//   rows pass, one task per (group, query head, block of rows): the softmax statistics, O, lse,
+//     D = rowsum(dO * O) and dQ of those rows, sweeping the key tiles three times;
+//   keys pass, one task per (group, tile of keys): dK and dV of those keys, summed over every
+//     query row of every head of the group, from the statistics and D the rows pass kept.
+// Each output element is summed by one task in a fixed order, so the result is the same bits
+// whatever the threads do, and no task needs partial sums of dK and dV from the others (which
+// would cost seqlen_k x head_dim doubles per task). A tile's S, P, dP and dS are recomputed in
+// both passes from the same operands of the same sizes, so the two passes agree on them exactly.
+constexpr int kKeysPerBlock = 128;
+
+// T = double: the reference, rounded() does nothing. T = float: the plain-bf16 definition of
+// RefPrecision, where rounded() stores a result in bf16 as a plain implementation would.
+template <typename T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+template <typename T>
+Matrix<T> rounded(Matrix<T> m) {
+  if constexpr (std::is_same_v<T, float>) m = m.unaryExpr([](float x) { return round_to_bf16(x); });
+  return m;
+}
+
+template <typename T>
+class TiledBackward {
+ public:
+  TiledBackward(const AttentionShape& shape, const std::vector<BackwardGroupInputs>& groups,
+                BackwardReference& out)
+      : sq_(shape.seqlen_q),
+        sk_(shape.seqlen_k),
+        d_(shape.head_dim),
+        group_size_(shape.group_size()),
+        causal_(shape.causal),
+        causal_offset_(shape.causal_offset()),
+        scale_(T(shape.softmax_scale())),
+        groups_(groups),
+        out_(out),
+        row_max_(groups.size() * group_size_ * sq_),
+        row_sum_(row_max_.size()),
+        delta_(row_max_.size()) {}
+
+  static size_t row_tasks_per_group(const AttentionShape& shape) {
+    return shape.group_size() * size_t((shape.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock);
+  }
+  static size_t key_tasks_per_group(const AttentionShape& shape) {
+    return (shape.seqlen_k + kKeysPerBlock - 1) / kKeysPerBlock;
+  }
+
+  // Rows [row0, row0 + kRowsPerBlock) of query head `head` of group `group`. Returns the largest
+  // |logit| they see.
+  double rows_pass(size_t group, int head, int row0) {
+    const int rows = std::min(kRowsPerBlock, sq_ - row0);
+    const BackwardGroupInputs& in = groups_[group];
+    const size_t first = (group * group_size_ + head) * sq_ + row0;  // the block's first row
+    double max_abs_logit = 0;
+    // Softmax statistics, online over the key tiles: a row's maximum and its sum of exp(S - max).
+    std::vector<T> row_max(rows, T(kNegInf)), row_sum(rows, T(0));
+    for (int key0 = 0; key0 < keys_seen(row0 + rows - 1); key0 += kKeysPerBlock) {
+      const Matrix<T> s = logits(in.q[head], in.k, row0, rows, key0);
+      for (int i = 0; i < rows; ++i) {
+        const int seen = seen_in_tile(row0 + i, key0);
+        if (seen == 0) continue;
+        auto s_seen = s.row(i).head(seen).array();
+        max_abs_logit = std::max(max_abs_logit, double(s_seen.abs().maxCoeff()));
+        const T new_max = std::max(row_max[i], s_seen.maxCoeff());
+        row_sum[i] = row_sum[i] * std::exp(row_max[i] - new_max) + (s_seen - new_max).exp().sum();
+        row_max[i] = new_max;
+      }
+    }
+    for (int i = 0; i < rows; ++i) {
+      row_max_[first + i] = row_max[i];
+      row_sum_[first + i] = row_sum[i];
+      out_.lse[first + i] =
+          row_sum[i] > 0 ? double(row_max[i]) + std::log(double(row_sum[i])) : kNegInf;
+    }
+    Matrix<T> o_sum = Matrix<T>::Zero(rows, d_);
+    for (int key0 = 0; key0 < keys_seen(row0 + rows - 1); key0 += kKeysPerBlock) {
+      o_sum += probabilities(logits(in.q[head], in.k, row0, rows, key0), first, row0, key0) *
+               key_rows(in.v, key0);
+    }
+    const Matrix<T> o = rounded<T>(o_sum);
+    const Matrix<T> dout = query_rows(in.dout[head], row0, rows);
+    const Eigen::Matrix<T, Eigen::Dynamic, 1> delta = (dout.array() * o.array()).rowwise().sum();
+    Matrix<T> dq_sum = Matrix<T>::Zero(rows, d_);
+    for (int key0 = 0; key0 < keys_seen(row0 + rows - 1); key0 += kKeysPerBlock) {
+      const Matrix<T> p =
+          probabilities(logits(in.q[head], in.k, row0, rows, key0), first, row0, key0);
+      dq_sum += score_gradient(p, dout, delta, in.v, key0) * key_rows(in.k, key0);
+    }
+    const Matrix<T> dq = rounded<T>(dq_sum * scale_);
+    for (int i = 0; i < rows; ++i) {
+      delta_[first + i] = delta(i);
+      for (int c = 0; c < d_; ++c) {
+        out_.o[(first + i) * d_ + c] = o(i, c);
+        out_.dq[(first + i) * d_ + c] = dq(i, c);
+      }
+    }
+    return max_abs_logit;
+  }
+
+  // Keys [key0, key0 + kKeysPerBlock) of group `group`; needs the rows pass done.
+  void keys_pass(size_t group, int key0) {
+    const int keys = std::min(kKeysPerBlock, sk_ - key0);
+    const BackwardGroupInputs& in = groups_[group];
+    Matrix<T> dk_sum = Matrix<T>::Zero(keys, d_), dv_sum = Matrix<T>::Zero(keys, d_);
+    // Rows before the first that sees key0 see none of the tile (the causal mask's staircase).
+    const int first_seeing_row = causal_ ? std::max(0, key0 - causal_offset_) : 0;
+    for (int head = 0; head < group_size_; ++head) {
+      for (int row0 = first_seeing_row / kRowsPerBlock * kRowsPerBlock; row0 < sq_;
+           row0 += kRowsPerBlock) {
+        const int rows = std::min(kRowsPerBlock, sq_ - row0);
+        const size_t first = (group * group_size_ + head) * sq_ + row0;
+        const Matrix<T> p =
+            probabilities(logits(in.q[head], in.k, row0, rows, key0), first, row0, key0);
+        const Matrix<T> dout = query_rows(in.dout[head], row0, rows);
+        const Eigen::Matrix<T, Eigen::Dynamic, 1> delta =
+            Eigen::Map<const Eigen::VectorXd>(delta_.data() + first, rows).cast<T>();
+        dv_sum += p.transpose() * dout;
+        dk_sum += score_gradient(p, dout, delta, in.v, key0).transpose() *
+                  query_rows(in.q[head], row0, rows);
+      }
+    }
+    const Matrix<T> dk = rounded<T>(dk_sum * scale_), dv = rounded<T>(dv_sum);
+    const size_t first_key = group * sk_ + key0;
+    for (int j = 0; j < keys; ++j)
+      for (int c = 0; c < d_; ++c) {
+        out_.dk[(first_key + j) * d_ + c] = dk(j, c);
+        out_.dv[(first_key + j) * d_ + c] = dv(j, c);
+      }
+  }
+
+ private:
+  int keys_seen(int row) const { return visible_keys(row, sk_, causal_, causal_offset_); }
+  // How many keys of the tile that starts at key0 query row `row` sees.
+  int seen_in_tile(int row, int key0) const {
+    return std::clamp(keys_seen(row) - key0, 0, std::min(kKeysPerBlock, sk_ - key0));
+  }
+
+  Matrix<T> query_rows(const float* x, int row0, int rows) const {
+    return ConstMapF(x + size_t(row0) * d_, rows, d_).cast<T>();
+  }
+  Matrix<T> key_rows(const float* x, int key0) const {
+    return ConstMapF(x + size_t(key0) * d_, std::min(kKeysPerBlock, sk_ - key0), d_).cast<T>();
+  }
+
+  // S of a tile, every key of it whether the rows see it or not.
+  Matrix<T> logits(const float* q, const float* k, int row0, int rows, int key0) const {
+    return rounded<T>((query_rows(q, row0, rows) * key_rows(k, key0).transpose()) * scale_);
+  }
+
+  // P of a tile from the rows' statistics (first: the flat index of row0's statistics); 0 where a
+  // row cannot see the key.
+  Matrix<T> probabilities(const Matrix<T>& s, size_t first, int row0, int key0) const {
+    Matrix<T> p = Matrix<T>::Zero(s.rows(), s.cols());
+    for (int i = 0; i < s.rows(); ++i) {
+      const T row_max = T(row_max_[first + i]), row_sum = T(row_sum_[first + i]);
+      const int seen = seen_in_tile(row0 + i, key0);
+      for (int j = 0; j < seen; ++j) p(i, j) = std::exp(s(i, j) - row_max) / row_sum;
+    }
+    return rounded<T>(p);
+  }
+
+  // dS = P * (dP - D), with dP = dO V^T: the softmax's Jacobian applied row by row.
+  Matrix<T> score_gradient(const Matrix<T>& p, const Matrix<T>& dout,
+                           const Eigen::Matrix<T, Eigen::Dynamic, 1>& delta, const float* v,
+                           int key0) const {
+    const Matrix<T> dp = rounded<T>(dout * key_rows(v, key0).transpose());
+    return rounded<T>((p.array() * (dp.colwise() - delta).array()).matrix());
+  }
+
+  const int sq_, sk_, d_, group_size_;
+  const bool causal_;
+  const int causal_offset_;
+  const T scale_;
+  const std::vector<BackwardGroupInputs>& groups_;
+  BackwardReference& out_;
+  // Per query row, [groups, group_size, seqlen_q]: what the keys pass needs of the rows pass.
+  std::vector<double> row_max_, row_sum_, delta_;
+};
+
+template <typename T>
+void tiled_backward(const AttentionShape& shape, const std::vector<BackwardGroupInputs>& groups,
+                    BackwardReference& out) {
+  TiledBackward<T> backward(shape, groups, out);
+  const size_t row_tasks = TiledBackward<T>::row_tasks_per_group(shape);
+  const size_t blocks_per_head = row_tasks / shape.group_size();
+  std::vector<double> max_abs(groups.size() * row_tasks, 0.0);
+  parallel_for(max_abs.size(), [&](size_t task) {
+    const size_t head_task = task % row_tasks;
+    max_abs[task] = backward.rows_pass(task / row_tasks, int(head_task / blocks_per_head),
+                                       int(head_task % blocks_per_head) * kRowsPerBlock);
+  });
+  for (double m : max_abs) out.max_abs_logit = std::max(out.max_abs_logit, m);
+  const size_t key_tasks = TiledBackward<T>::key_tasks_per_group(shape);
+  parallel_for(groups.size() * key_tasks, [&](size_t task) {
+    backward.keys_pass(task / key_tasks, int(task % key_tasks) * kKeysPerBlock);
+  });
+}
+
+}  // namespace
+
+BackwardReference reference_backward(const AttentionShape& shape,
+                                     const std::vector<BackwardGroupInputs>& groups,
+                                     RefPrecision precision) {
+  const size_t heads = groups.size() * shape.group_size();
+  const size_t sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
+  BackwardReference out;
+  out.dq.assign(heads * sq * d, 0.0);
+  out.o.assign(heads * sq * d, 0.0);
+  out.lse.assign(heads * sq, 0.0);
+  out.dk.assign(groups.size() * sk * d, 0.0);
+  out.dv.assign(groups.size() * sk * d, 0.0);
+  if (precision == RefPrecision::kDouble) {
+    tiled_backward<double>(shape, groups, out);
+  } else {
+    tiled_backward<float>(shape, groups, out);
+  }
+  return out;
+}
+
 BackwardReference reference_backward(const AttentionShape& shape, const std::vector<float>& q,
                                      const std::vector<float>& k, const std::vector<float>& v,
-                                     const std::vector<float>& dout) {
-  const int sq = shape.seqlen_q, sk = shape.seqlen_k, d = shape.head_dim;
-  const double scale = shape.softmax_scale();
-  BackwardReference grad;
-  grad.dq.assign(q.size(), 0.0);
-  grad.dk.assign(k.size(), 0.0);
-  grad.dv.assign(v.size(), 0.0);
-  // One task per key/value head, so that the query heads of its group add into dk, dv in turn.
-  const size_t kv_heads = size_t(shape.batch) * shape.heads_kv;
-  parallel_for(kv_heads, [&](size_t task) {
-    const int b = int(task / shape.heads_kv), kv_head = int(task % shape.heads_kv);
-    const size_t kv_offset = task * sk * d;
-    const MatrixD k_d = ConstMapF(k.data() + kv_offset, sk, d).cast<double>();
-    const MatrixD v_d = ConstMapF(v.data() + kv_offset, sk, d).cast<double>();
-    Eigen::Map<MatrixD> dk(grad.dk.data() + kv_offset, sk, d),
-        dv(grad.dv.data() + kv_offset, sk, d);
-    for (int g = 0; g < shape.group_size(); ++g) {
-      const int head = kv_head * shape.group_size() + g;
-      const size_t q_offset = (size_t(b) * shape.heads_q + head) * sq * d;
-      const MatrixD q_d = ConstMapF(q.data() + q_offset, sq, d).cast<double>();
-      const MatrixD do_d = ConstMapF(dout.data() + q_offset, sq, d).cast<double>();
-      // Recompute P exactly as the forward pass does.
-      MatrixD p = MatrixD::Zero(sq, sk);
-      const MatrixD s = (q_d * k_d.transpose()) * scale;
-      for (int i = 0; i < sq; ++i) {
-        const int visible = visible_keys(i, sk, shape.causal, shape.causal_offset());
-        if (visible == 0) continue;
-        auto seen = s.row(i).head(visible);
-        p.row(i).head(visible) = (seen.array() - seen.maxCoeff()).exp().matrix();
-        p.row(i) /= p.row(i).sum();
-      }
-      const MatrixD o = p * v_d;
-      dv += p.transpose() * do_d;
-      const MatrixD dp = do_d * v_d.transpose();
-      // dS = P * (dP - rowsum(dO * O)): the softmax Jacobian applied row by row.
-      const Eigen::VectorXd delta = (do_d.array() * o.array()).rowwise().sum();
-      const MatrixD ds = (p.array() * (dp.colwise() - delta).array()).matrix();
-      Eigen::Map<MatrixD>(grad.dq.data() + q_offset, sq, d) = scale * ds * k_d;
-      dk += scale * ds.transpose() * q_d;
+                                     const std::vector<float>& dout, RefPrecision precision) {
+  const size_t q_head = size_t(shape.seqlen_q) * shape.head_dim;
+  const size_t kv_head = size_t(shape.seqlen_k) * shape.head_dim;
+  std::vector<BackwardGroupInputs> groups;
+  for (size_t kv = 0; kv < size_t(shape.batch) * shape.heads_kv; ++kv) {
+    BackwardGroupInputs group{k.data() + kv * kv_head, v.data() + kv * kv_head, {}, {}};
+    for (size_t h = kv * shape.group_size(); h < (kv + 1) * shape.group_size(); ++h) {
+      group.q.push_back(q.data() + h * q_head);
+      group.dout.push_back(dout.data() + h * q_head);
     }
-  });
-  return grad;
+    groups.push_back(group);
+  }
+  return reference_backward(shape, groups, precision);
+}
+
+size_t reference_backward_worker_bytes(const AttentionShape& shape, size_t groups) {
+  const size_t tasks = groups * std::max(TiledBackward<double>::row_tasks_per_group(shape),
+                                         TiledBackward<double>::key_tasks_per_group(shape));
+  const size_t workers = std::min<size_t>(tasks, std::max(1u, std::thread::hardware_concurrency()));
+  const size_t rows = kRowsPerBlock, keys = kKeysPerBlock, d = shape.head_dim;
+  // A worker's tiles, counted in double: S, P, dP, dS and the temporaries of dP - D and dS^T
+  // (rows x keys); Q, dO, O and the sums of O and dQ (rows x d); K or V converted and the sums of
+  // dK and dV (keys x d, two at a time).
+  const size_t per_worker = 8 * (6 * rows * keys + 5 * rows * d + 4 * keys * d);
+  const size_t per_row = 3 * 8;  // row maximum, row sum, D
+  return workers * per_worker + groups * shape.group_size() * shape.seqlen_q * per_row;
 }
 
 namespace {

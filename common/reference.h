@@ -35,8 +35,14 @@ std::vector<HeadIndex> sample_heads(const AttentionShape& shape, double mac_budg
 // How the reference computes.
 enum class RefPrecision {
   kDouble,     // every product and sum in double: the reference
-  kPlainBf16,  // what a plain bf16 implementation gets: float dot products, S rounded to bf16,
-               // softmax in float with P rounded to bf16, O = P V in float rounded to bf16
+  kPlainBf16,  // what a plain bf16 implementation gets (PyTorch's math in bf16: matrix products
+               // accumulate in float and store bf16), from inputs that are already bf16 values.
+               // Forward: S = scale q k^T in float, rounded to bf16; P = softmax of that S in
+               // float, rounded to bf16; O = P V in float, rounded to bf16.
+               // Backward, with S, P and O as above: dV = P^T dO; dP = dO V^T; D = rowsum(dO * O)
+               // in float; dS = P * (dP - D) in float; dQ = scale dS K; dK = scale dS^T Q; each
+               // product in float and each result rounded to bf16 (dK and dV summed over a group's
+               // query heads in float and rounded once).
 };
 
 struct ForwardReference {
@@ -69,16 +75,47 @@ ForwardReference reference_forward(const AttentionShape& shape,
                                    const std::vector<HeadInputs>& heads,
                                    RefPrecision precision = RefPrecision::kDouble);
 
+// Gradients, and the forward pass recomputed on the way, so that a check can judge the forward
+// output a backward run starts from. Query-head tensors are [groups, group_size, seqlen_q, ...],
+// key/value ones [groups, seqlen_k, head_dim]; for the full-layout form, whose groups are every
+// (batch, key/value head) in order, those are the layouts of q and k (shape.h).
 struct BackwardReference {
-  std::vector<double> dq;  // like q
-  std::vector<double> dk;  // like k: summed over the query heads of each group
-  std::vector<double> dv;  // like v
+  std::vector<double> dq;    // like q
+  std::vector<double> dk;    // like k: summed over the query heads of each group
+  std::vector<double> dv;    // like v
+  std::vector<double> o;     // like q
+  std::vector<double> lse;   // [groups, group_size, seqlen_q]; -inf for a row that sees no key
+  double max_abs_logit = 0;  // largest |scale * q.k| over the keys a row sees
 };
 
-// Gradients of sum(dout * O) with respect to q, k, v, recomputing P from the inputs.
+// The inputs of one key/value head and of the query heads that read it (its group, in order).
+struct BackwardGroupInputs {
+  const float* k;                  // [seqlen_k x head_dim], row-major
+  const float* v;                  // [seqlen_k x head_dim]
+  std::vector<const float*> q;     // group_size() pointers to [seqlen_q x head_dim]
+  std::vector<const float*> dout;  // group_size() pointers to [seqlen_q x head_dim]
+};
+
+// Gradients of sum(dout * O) with respect to q, k, v for the groups given by their inputs alone
+// (the sizes, mask and scale come from shape), recomputing P from the inputs. It never holds a
+// seqlen_q x seqlen_k matrix, only tiles of 64 query rows by 128 keys, and does about five forward
+// passes' work: for each block of rows S three times (softmax statistics, then O, then dQ), P V,
+// dP and dQ; for each tile of keys S, dP, dV and dK again. The result is bit-reproducible: each
+// output element is summed by one task in a fixed order, whatever the number of threads.
+BackwardReference reference_backward(const AttentionShape& shape,
+                                     const std::vector<BackwardGroupInputs>& groups,
+                                     RefPrecision precision = RefPrecision::kDouble);
+
+// The same for the whole problem: q, k, v, dout in the layout of shape.h.
 BackwardReference reference_backward(const AttentionShape& shape, const std::vector<float>& q,
                                      const std::vector<float>& k, const std::vector<float>& v,
-                                     const std::vector<float>& dout);
+                                     const std::vector<float>& dout,
+                                     RefPrecision precision = RefPrecision::kDouble);
+
+// Host bytes reference_backward holds at once for `groups` groups of this shape, besides its
+// result: each worker thread's tiles, which do not depend on the sequence lengths, and three
+// doubles per query row (softmax maximum and sum, D) that its two passes share.
+size_t reference_backward_worker_bytes(const AttentionShape& shape, size_t groups);
 
 // Decoding: one new query token per sequence against a cache of earlier keys and values.
 struct DecodeShape {

@@ -12,30 +12,40 @@ std::string megabytes(size_t bytes) {
   return text;
 }
 
-std::string upper(std::string text) {
-  for (char& c : text) c = char(std::toupper(static_cast<unsigned char>(c)));
+// "o" -> "O", "lse" -> "LSE", "dq" -> "dQ": the names the lessons use.
+std::string display_name(const std::string& name) {
+  std::string text = name;
+  for (size_t i = name.rfind('d', 0) == 0 && name.size() > 1 ? 1 : 0; i < text.size(); ++i)
+    text[i] = char(std::toupper(static_cast<unsigned char>(text[i])));
   return text;
 }
 
 void print_text(const RunReport& r) {
   std::printf("device  %s\n", r.device.c_str());
   std::printf("shape   %s, %s\n", r.shape.describe().c_str(), dtype_name(r.dtype));
-  std::printf("memory  %s on the device: Q, K, V, O, LSE %s",
-              megabytes(r.io_bytes + r.workspace_bytes).c_str(), megabytes(r.io_bytes).c_str());
+  const bool backward = r.kind == ChapterKind::kBackward;
+  if (backward)
+    std::printf("mode    %s\n", r.deterministic ? "deterministic dQ (a separate pass, no atomics)"
+                                                : "dQ summed with atomics");
+  std::printf("memory  %s on the device: %s %s", megabytes(r.io_bytes + r.workspace_bytes).c_str(),
+              r.io_what.c_str(), megabytes(r.io_bytes).c_str());
   if (r.workspace_bytes)
     std::printf(" + workspace %s (%s)", megabytes(r.workspace_bytes).c_str(),
                 r.workspace_what.c_str());
   std::printf("\n");
   if (r.checked) {
-    std::printf("check   %zu of %zu (batch, head) pairs against the Eigen reference (double)%s\n",
-                r.heads_checked, r.heads_total,
+    std::printf("check   %zu of %zu %s against the Eigen reference (double)%s\n", r.heads_checked,
+                r.heads_total, backward ? "(batch, key/value head) groups" : "(batch, head) pairs",
                 r.heads_checked < r.heads_total
                     ? ": the first, the last, and a seeded random sample (--check-all for all)"
                     : "");
+    if (backward)
+      std::printf(
+          "        O and LSE are the harness's forward kernel's, the inputs of the chapter\n");
     for (const OutputCheck& output : r.outputs) {
       const Comparison& c = output.comparison;
       std::printf("        %-3s max abs err %.3g, rel err %.3g  [%s]  %s\n",
-                  upper(output.name).c_str(), c.max_abs_err, c.rel_err,
+                  display_name(output.name).c_str(), c.max_abs_err, c.rel_err,
                   output.tolerance.rule.c_str(), c.passed ? "ok" : "FAIL");
       if (c.nonfinite) std::printf("            %zu NaN or Inf values\n", c.nonfinite);
       for (const std::string& m : c.mismatches) std::printf("            %s\n", m.c_str());
@@ -47,13 +57,54 @@ void print_text(const RunReport& r) {
     std::printf("check   skipped (--no-check)\n");
   }
   if (r.timed) {
-    std::printf("time    %.4f ms median of %d launches (min %.4f, max %.4f) = %.2f TFLOP/s\n",
-                r.timing.median_ms, r.timing.iters, r.timing.min_ms, r.timing.max_ms, r.tflops);
+    std::printf("time    %.4f ms median of %d launches (min %.4f, max %.4f) = %.2f TFLOP/s%s\n",
+                r.timing.median_ms, r.timing.iters, r.timing.min_ms, r.timing.max_ms, r.tflops,
+                backward ? " (2.5x the forward's FLOPs)" : "");
   }
   std::printf("result  %s\n", !r.checked ? "not checked" : r.passed ? "PASS" : "FAIL");
 }
 
+// Backward records: the shape, the mode, and each gradient's errors.
+void print_backward_csv(const RunReport& r) {
+  const Comparison &dq = r.comparison("dq"), &dk = r.comparison("dk"), &dv = r.comparison("dv");
+  std::printf(
+      "chapter,dtype,batch,heads_q,heads_kv,seqlen_q,seqlen_k,head_dim,causal,deterministic,"
+      "checked,passed,dq_max_abs_err,dq_rel_err,dk_max_abs_err,dk_rel_err,dv_max_abs_err,"
+      "dv_rel_err,median_ms,tflops,device_bytes,workspace_bytes,device\n");
+  std::printf(
+      "%s,%s,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%.4g,%.4g,%.4g,%.4g,%.4g,%.4g,%.5f,%.3f,%zu,%zu,"
+      "\"%s\"\n",
+      r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q, r.shape.heads_kv,
+      r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim, int(r.shape.causal),
+      int(r.deterministic), int(r.checked), int(r.passed), dq.max_abs_err, dq.rel_err,
+      dk.max_abs_err, dk.rel_err, dv.max_abs_err, dv.rel_err, r.timing.median_ms, r.tflops,
+      r.io_bytes + r.workspace_bytes, r.workspace_bytes, r.device.c_str());
+}
+
+void print_backward_json(const RunReport& r) {
+  std::printf(
+      "{\"chapter\": \"%s\", \"kind\": \"backward\", \"dtype\": \"%s\", \"batch\": %d, "
+      "\"heads_q\": %d, \"heads_kv\": %d, \"seqlen_q\": %d, \"seqlen_k\": %d, \"head_dim\": %d, "
+      "\"causal\": %s, \"deterministic\": %s, \"checked\": %s, \"passed\": %s, "
+      "\"groups_checked\": %zu, ",
+      r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q, r.shape.heads_kv,
+      r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim, r.shape.causal ? "true" : "false",
+      r.deterministic ? "true" : "false", r.checked ? "true" : "false", r.passed ? "true" : "false",
+      r.heads_checked);
+  for (const OutputCheck& output : r.outputs)
+    std::printf("\"%s_max_abs_err\": %.6g, \"%s_rel_err\": %.6g, \"%s_checksum\": \"%016llx\", ",
+                output.name.c_str(), output.comparison.max_abs_err, output.name.c_str(),
+                output.comparison.rel_err, output.name.c_str(),
+                static_cast<unsigned long long>(output.checksum));
+  std::printf(
+      "\"median_ms\": %.6f, \"tflops\": %.4f, \"device_bytes\": %zu, \"workspace_bytes\": %zu, "
+      "\"device\": \"%s\"}\n",
+      r.timing.median_ms, r.tflops, r.io_bytes + r.workspace_bytes, r.workspace_bytes,
+      r.device.c_str());
+}
+
 void print_csv(const RunReport& r) {
+  if (r.kind == ChapterKind::kBackward) return print_backward_csv(r);
   const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
   std::printf(
       "chapter,dtype,batch,heads_q,heads_kv,seqlen_q,seqlen_k,head_dim,causal,checked,passed,"
@@ -68,6 +119,7 @@ void print_csv(const RunReport& r) {
 }
 
 void print_json(const RunReport& r) {
+  if (r.kind == ChapterKind::kBackward) return print_backward_json(r);
   const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
   std::printf(
       "{\"chapter\": \"%s\", \"dtype\": \"%s\", \"batch\": %d, \"heads_q\": %d, \"heads_kv\": %d, "

@@ -25,30 +25,6 @@ const Comparison& RunReport::comparison(const std::string& name) const {
 
 namespace {
 
-// Inputs are made and uploaded this many elements at a time (32 MB of float), so the host never
-// holds a whole tensor: a problem that fits the GPU does not need the same again in host memory.
-constexpr size_t kPieceElements = size_t(1) << 23;
-
-// The random streams of the three inputs.
-enum Stream : uint64_t { kStreamQ = 0, kStreamK = 1, kStreamV = 2 };
-
-// Elements [first, first + count) of an input stream, rounded to what the device holds.
-void make_input(float* out, size_t count, size_t first, DType dtype, uint64_t seed, uint64_t stream,
-                float stddev) {
-  fill_normal(out, count, seed, stream, stddev, first);
-  if (dtype == DType::kBF16)
-    for (size_t i = 0; i < count; ++i) out[i] = round_to_bf16(out[i]);
-}
-
-void upload_input(DeviceTensor& tensor, DType dtype, uint64_t seed, uint64_t stream, float stddev) {
-  std::vector<float> piece(std::min(kPieceElements, tensor.count()));
-  for (size_t first = 0; first < tensor.count(); first += piece.size()) {
-    const size_t count = std::min(piece.size(), tensor.count() - first);
-    make_input(piece.data(), count, first, dtype, seed, stream, stddev);
-    tensor.upload(piece.data(), count, first);
-  }
-}
-
 size_t distinct_kv_heads(const AttentionShape& shape, const std::vector<HeadIndex>& heads) {
   std::vector<size_t> kv;
   for (const HeadIndex& h : heads) kv.push_back(kv_head_of(shape, h));
@@ -147,7 +123,7 @@ void require_forward_fits(const ForwardChapter& chapter, const RunOptions& optio
   require_device_memory(device_need);
   const std::vector<HeadIndex> heads = checked_heads(options);
   MemoryNeed host_need;
-  host_need.add("input pieces", 6 * std::min<size_t>(kPieceElements, shape.q_elements()));
+  host_need.add("input pieces", input_piece_host_bytes(shape.q_elements()));
   host_need.add("check of " + std::to_string(heads.size()) + " heads",
                 check_host_bytes(shape, chapter.dtype, heads));
   if (!options.save_dir.empty())
@@ -172,6 +148,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
   report.dtype = dtype;
   report.shape = shape;
   report.device = device_description();
+  report.io_what = "Q, K, V, O, LSE";
   report.workspace_what = chapter.workspace_what;
   report.io_bytes = io_bytes(shape, dtype);
   report.workspace_bytes = chapter.workspace_bytes(shape);
@@ -240,8 +217,10 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
       };
     };
     const Tolerance lse_tol = lse_tolerance(dtype, ref.max_abs_logit);
-    report.outputs.push_back({"o", o_tolerance, compare(c.o, ref.o, o_tolerance, where("o", d))});
-    report.outputs.push_back({"lse", lse_tol, compare(c.lse, ref.lse, lse_tol, where("lse", 1))});
+    report.outputs.push_back(
+        {"o", o_tolerance, compare(c.o, ref.o, o_tolerance, where("o", d)), checksum(c.o)});
+    report.outputs.push_back(
+        {"lse", lse_tol, compare(c.lse, ref.lse, lse_tol, where("lse", 1)), checksum(c.lse)});
     for (const OutputCheck& output : report.outputs) report.passed &= output.comparison.passed;
   }
 

@@ -1,6 +1,7 @@
-// Running one forward chapter: make inputs, run the chapter's launch function, check the outputs
-// against the CPU reference, time it, and fill a report. A chapter binary (program.h) and a
-// chapter test call the same function. Printing a report: report.h.
+// Running one chapter: make inputs, run the chapter's launch function, check the outputs against
+// the CPU reference, time it, and fill a report. One run_<kind> per kind of chapter (forward,
+// backward), sharing the options and the report. A chapter binary (program.h) and a chapter test
+// call the same function. Printing a report: report.h.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,8 @@ struct RunOptions {
   int check_max_heads = 0;        // and at most this many pairs (0: no limit)
   bool bench = true;
   TimingOptions timing;
-  std::string save_dir;  // if set, write q, k, v, o, lse there as .npy
+  std::string save_dir;        // if set, write every input and output there as .npy
+  bool deterministic = false;  // backward chapters with a deterministic mode: use it
 };
 
 // Bad options or a shape the chapter does not support; the message is one sentence.
@@ -37,18 +39,26 @@ struct OutputCheck {
   std::string name;
   Tolerance tolerance;
   Comparison comparison;
+  uint64_t checksum = 0;  // of the compared values' bits: equal checksums, equal outputs
 };
+
+enum class ChapterKind { kForward, kBackward };
 
 struct RunReport {
   std::string chapter;
+  ChapterKind kind = ChapterKind::kForward;
+  bool deterministic = false;  // backward: ran in its deterministic mode
   DType dtype = DType::kF32;
   AttentionShape shape;
   std::string device;          // e.g. "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, CUDA 13.0)"
-  size_t io_bytes = 0;         // Q, K, V, O, LSE on the device
+  std::string io_what;         // the tensors io_bytes counts, e.g. "Q, K, V, O, LSE"
+  size_t io_bytes = 0;         // the inputs and outputs on the device
   size_t workspace_bytes = 0;  // the chapter's scratch
   std::string workspace_what;
   // Check.
   bool checked = false;
+  // Forward: (batch, query head) pairs. Backward: (batch, key/value head) groups, each with the
+  // query heads that read it.
   size_t heads_checked = 0, heads_total = 0;
   double max_abs_logit = 0;
   std::vector<OutputCheck> outputs;  // in the order they are printed
@@ -56,7 +66,7 @@ struct RunReport {
   // Time.
   bool timed = false;
   Timing timing;
-  double tflops = 0;
+  double tflops = 0;  // backward: 2.5x the forward FLOPs
 
   // The output called `name`; a default (empty, passed) one when it was not checked.
   const Comparison& comparison(const std::string& name) const;
@@ -70,5 +80,16 @@ void require_forward_fits(const ForwardChapter& chapter, const RunOptions& optio
 // Throws InvalidInput for a shape the chapter rejects, OutOfDeviceMemory or OutOfHostMemory for a
 // problem that does not fit, or CudaError.
 RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options);
+
+}  // namespace attn
+
+namespace attn {
+
+// The backward kind: makes q, k, v and dO, runs the harness's forward kernel (plain_forward.h) for
+// o and lse, poisons dq, dk, dv, launches the chapter, and checks o, lse, dq, dk and dv against the
+// Eigen reference on a sample of (batch, key/value head) groups. Throws like run_forward, and
+// InvalidInput for --deterministic on a chapter without that mode.
+void require_backward_fits(const BackwardChapter& chapter, const RunOptions& options);
+RunReport run_backward(const BackwardChapter& chapter, const RunOptions& options);
 
 }  // namespace attn

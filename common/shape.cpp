@@ -36,6 +36,8 @@ double forward_flops(const AttentionShape& shape) {
   return shape.causal ? flops / 2 : flops;
 }
 
+double backward_flops(const AttentionShape& shape) { return 2.5 * forward_flops(shape); }
+
 std::string validate(const AttentionShape& shape, const std::vector<int>& supported_head_dims) {
   std::ostringstream why;
   auto positive = [&](const char* name, int value) {

@@ -48,6 +48,8 @@ AttentionShape make_shape(int batch, int heads_q, int heads_kv, int seqlen_q, in
 // Floating-point operations of the forward pass: 4 * B * Hq * Sq * Sk * D (two matrix products),
 // halved for causal, the convention of the FlashAttention papers.
 double forward_flops(const AttentionShape& shape);
+// The backward pass: 2.5 times the forward (five matrix products of the same size against two).
+double backward_flops(const AttentionShape& shape);
 
 // Returns an empty string when the shape is valid, otherwise one sentence that says what is wrong.
 // supported_head_dims lists what the chapter's kernels were written for (empty: any in 1..256).

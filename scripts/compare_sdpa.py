@@ -1,19 +1,25 @@
 #!/usr/bin/env python3
 """Compare the chapter ladder with what a user would pick instead: PyTorch SDPA.
 
-Reads the CSV of `scripts/ladder --grid`, times PyTorch's scaled_dot_product_attention with its
+Reads a CSV of `scripts/ladder --grid`, times PyTorch's scaled_dot_product_attention with its
 flash (FlashAttention-2) and cuDNN backends on the same shapes, in the same run and on the same
 GPU, and prints each chapter's TFLOP/s as a ratio of theirs. Writes the merged table as CSV and
 draws the ladder plot (TFLOP/s per chapter per shape). Optional: needs PyTorch and matplotlib;
 nothing in the build or the tests does.
 
     python3 scripts/compare_sdpa.py build/ladder.csv --plot build/ladder.png
+    python3 scripts/compare_sdpa.py build/ladder-backward.csv --out build/comparison-backward.csv
+
+A CSV of backward chapters (it has a `deterministic` column) is compared with the backward pass
+of the same backends: torch.autograd.grad of the SDPA output with respect to q, k and v, timed
+alone (the forward runs once, outside the timing), FLOPs 2.5x the forward's.
 
 Everything it writes goes under build/ unless told otherwise: the course's own plot is made with
 `--plot docs/ladder.png` (docs/benchmarks.md, "Reproduce").
 
 Timing follows the chapters' convention (common/timing.cpp): CUDA events around each launch,
-10 warm-up launches, the median of 50. FLOPs: 4 * B * H * N^2 * D, halved for causal.
+10 warm-up launches, the median of 50. FLOPs: 4 * B * H * N^2 * D, halved for causal (and times
+2.5 for the backward).
 """
 import argparse
 import csv
@@ -38,8 +44,9 @@ def time_ms(fn, warmup=10, iters=50):
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, stops))
 
 
-def sdpa_tflops(shape):
-    """TFLOP/s of the flash and cuDNN backends on (batch, heads, seqlen, head_dim, causal)."""
+def sdpa_tflops(shape, backward):
+    """TFLOP/s of the flash and cuDNN backends on (batch, heads, seqlen, head_dim, causal): of the
+    forward pass, or of the backward pass alone."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -47,13 +54,22 @@ def sdpa_tflops(shape):
     batch, heads, seqlen, head_dim, causal = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
-                           generator=gen) for _ in range(3))
+                           generator=gen, requires_grad=backward) for _ in range(3))
     flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    if backward:
+        flops *= 2.5
     result = {}
     for name, backend in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel([backend]):
-                ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                if backward:
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    grad_o = torch.randn(o.shape, device="cuda", dtype=o.dtype, generator=gen)
+                    ms = time_ms(lambda: torch.autograd.grad(o, (q, k, v), grad_o,
+                                                             retain_graph=True))
+                    del o
+                else:
+                    ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
             result[name] = flops / (ms * 1e-3) / 1e12
         except RuntimeError as error:  # backend not available for this shape or GPU
             print(f"  {name} unavailable for {shape}: {str(error).splitlines()[0]}", file=sys.stderr)
@@ -61,7 +77,7 @@ def sdpa_tflops(shape):
     return result
 
 
-def plot(rows, path):
+def plot(rows, path, title=""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,9 +90,10 @@ def plot(rows, path):
         colors = plt.get_cmap("tab20")  # one colour per chapter: the default cycle has only 10
         for i, chapter in enumerate(sorted({r["chapter"] for r in rows})):
             points = sorted((r["seqlen"], r["tflops"]) for r in panel if r["chapter"] == chapter)
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                        color=colors(i % 20), label=chapter)
+            if not points:
+                continue
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                    color=colors(i % 20), label=chapter)
         for peer, style in (("fa2", "k--"), ("cudnn", "k:")):
             points = sorted({(r["seqlen"], r[peer]) for r in panel if r[peer] == r[peer]})
             if points:
@@ -86,7 +103,7 @@ def plot(rows, path):
         ax.set_yscale("log")
         ax.set_xlabel("sequence length (16k tokens per batch)")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
+        ax.set_title(f"{title}head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -119,11 +136,13 @@ def main():
     print(f"device {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"cuDNN {torch.backends.cudnn.version()}")
 
+    # Backward records carry their mode; a deterministic run is its own line of the table and plot.
+    backward = "deterministic" in records[0]
     shapes = sorted({(int(r["batch"]), int(r["heads_q"]), int(r["seqlen_q"]), int(r["head_dim"]),
                       r["causal"] == "1") for r in records})
     peers = {}
     for shape in shapes:
-        peers[shape] = sdpa_tflops(shape)
+        peers[shape] = sdpa_tflops(shape, backward)
 
     rows = []
     for r in records:
@@ -131,15 +150,19 @@ def main():
                  r["causal"] == "1")
         peer = peers[shape]
         tflops = float(r["tflops"])
-        rows.append(dict(chapter=r["chapter"], head_dim=shape[3], seqlen=shape[2], batch=shape[0],
+        chapter = r["chapter"]
+        if backward and r["deterministic"] == "1":
+            chapter += " (deterministic)"
+        rows.append(dict(chapter=chapter, head_dim=shape[3], seqlen=shape[2], batch=shape[0],
                          heads=shape[1], causal=int(shape[4]), passed=r["passed"], tflops=tflops,
                          fa2=peer["fa2"], cudnn=peer["cudnn"],
                          vs_fa2=tflops / peer["fa2"], vs_cudnn=tflops / peer["cudnn"]))
 
-    print(f"{'chapter':22} {'d':>4} {'seqlen':>6} {'causal':>6} {'TFLOP/s':>8} {'FA2':>7} "
+    print("backward pass" if backward else "forward pass")
+    print(f"{'chapter':38} {'d':>4} {'seqlen':>6} {'causal':>6} {'TFLOP/s':>8} {'FA2':>7} "
           f"{'cuDNN':>7} {'x FA2':>6} {'x cuDNN':>7}")
     for r in rows:
-        print(f"{r['chapter']:22} {r['head_dim']:4d} {r['seqlen']:6d} {r['causal']:6d} "
+        print(f"{r['chapter']:38} {r['head_dim']:4d} {r['seqlen']:6d} {r['causal']:6d} "
               f"{r['tflops']:8.1f} {r['fa2']:7.1f} {r['cudnn']:7.1f} {r['vs_fa2']:6.2f} "
               f"{r['vs_cudnn']:7.2f}")
     with open(args.out, "w", newline="") as f:
@@ -148,7 +171,7 @@ def main():
         writer.writerows(rows)
     print(f"records: {args.out}")
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, "backward, " if backward else "")
 
 
 if __name__ == "__main__":

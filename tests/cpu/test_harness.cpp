@@ -136,6 +136,37 @@ TEST_CASE("tolerance rules") {
   CHECK(b.atol == doctest::Approx(0.008 + 1e-5));
   CHECK(b.max_rel_norm == doctest::Approx(1e-2));
   CHECK(lse_tolerance(DType::kBF16, 1.0).atol > lse_tolerance(DType::kF32, 1.0).atol);
+  // A gradient's bounds follow the size of the run's gradients, not the element's own size.
+  const GradientScale scale{50.0, 2.0};
+  const Tolerance g = fp32_gradient_tolerance(1.0, scale, 100);
+  CHECK(g.atol == doctest::Approx(5e-4));
+  CHECK(g.max_rel_norm == doctest::Approx(1e-5));
+  CHECK(g.norm_floor == doctest::Approx(20.0));
+  CHECK(fp32_gradient_tolerance(320.0, scale, 100).atol == doctest::Approx(1e-2));
+  CHECK(bf16_gradient_tolerance(0.004, scale, 100).atol == doctest::Approx(0.008 + 1e-5));
+}
+
+TEST_CASE("a gradient that is 0 by cancellation is judged against the run's gradient scale") {
+  // With one key dQ = 0 exactly; float leaves residues of ~1e-7 of the terms' size (~1).
+  const std::vector<double> ref(64, 0.0);
+  std::vector<float> out(64);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = (i % 2 ? 1e-7f : -1e-7f);
+  const GradientScale scale{3.0, 1.0};  // dV, say, is of order 1
+  CHECK(compare(out, ref, fp32_gradient_tolerance(1.0, scale, ref.size()), where).passed);
+  // A real error of the same gradient still fails.
+  out[5] = 1e-3f;
+  CHECK_FALSE(compare(out, ref, fp32_gradient_tolerance(1.0, scale, ref.size()), where).passed);
+}
+
+TEST_CASE("checksums tell equal outputs from outputs that differ in one bit") {
+  std::vector<float> a = {1.0f, -2.5f, 0.0f, 3e-8f}, b = a;
+  CHECK(checksum(a) == checksum(b));
+  b[3] = std::nextafter(b[3], 1.0f);
+  CHECK(checksum(a) != checksum(b));
+  b = a;
+  b[2] = -0.0f;  // equal as numbers, other bits
+  CHECK(checksum(a) != checksum(b));
+  CHECK(checksum(a) != checksum(std::vector<float>{-2.5f, 1.0f, 0.0f, 3e-8f}));  // order counts
 }
 
 TEST_CASE("shape validation says what is wrong in one sentence") {
@@ -165,6 +196,7 @@ TEST_CASE("flops: 4 B H Sq Sk D, halved for causal") {
   CHECK(forward_flops(s) == 4.0 * 2 * 3 * 5 * 7 * 11);
   s.causal = true;
   CHECK(forward_flops(s) == 2.0 * 2 * 3 * 5 * 7 * 11);
+  CHECK(backward_flops(s) == 2.5 * forward_flops(s));
 }
 
 TEST_CASE("command line") {
@@ -188,6 +220,26 @@ TEST_CASE("command line") {
   CHECK_THROWS_AS(parse_cli({"--seqlen"}), InvalidInput);
   CHECK_THROWS_AS(parse_cli({"--frobnicate"}), InvalidInput);
   CHECK_THROWS_AS(parse_cli({"--q-scale", "0"}), InvalidInput);
+  CHECK_FALSE(parse_cli({}).run.deterministic);
+  CHECK(parse_cli({"--deterministic"}).run.deterministic);
+}
+
+TEST_CASE("--help of each kind lists its own options") {
+  const std::vector<int> dims = {64, 128};
+  ForwardChapter forward{"99_forward", "a forward step", DType::kBF16, dims,   80,
+                         true,         nullptr,          "",           nullptr};
+  BackwardChapter backward{"99_backward", "a backward step", DType::kBF16, dims,   80,
+                           false,         nullptr,           "",           nullptr};
+  const std::string forward_help = usage(forward), atomic_help = usage(backward);
+  backward.has_deterministic_mode = true;
+  const std::string deterministic_help = usage(backward);
+  CHECK(forward_help.find("forward pass") != std::string::npos);
+  CHECK(forward_help.find("--deterministic") == std::string::npos);
+  CHECK(atomic_help.find("backward pass") != std::string::npos);
+  CHECK(atomic_help.find("(batch, key/value head) group") != std::string::npos);
+  CHECK(atomic_help.find("--deterministic") == std::string::npos);
+  CHECK(deterministic_help.find("--deterministic") != std::string::npos);
+  CHECK(deterministic_help.find("dq, dk, dv") != std::string::npos);
 }
 
 TEST_CASE("bf16 rounding is round-to-nearest-even on the 8th mantissa bit") {

@@ -1,12 +1,15 @@
 // The CPU references are what every kernel is judged by, so they are checked first: the Eigen
-// forward against plain loops, the backward against finite differences, and the decode references
-// against the forward one. Label `cpu`: runs everywhere, CI included.
+// forward against plain loops, the backward against finite differences and plain loops, and the
+// decode references against the forward one. Label `cpu`: runs everywhere, CI included.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "host_data.h"
@@ -68,6 +71,105 @@ double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) 
   }
   return m;
 }
+
+// The backward by its definition, one query row at a time: P from the row's logits, then
+// dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK += scale dS^T Q.
+BackwardReference loop_backward(const AttentionShape& s, const std::vector<float>& q,
+                                const std::vector<float>& k, const std::vector<float>& v,
+                                const std::vector<float>& dout) {
+  const int d = s.head_dim;
+  const double scale = s.softmax_scale();
+  BackwardReference g;
+  loop_forward(s, q, k, v, g.o, g.lse);
+  g.dq.assign(q.size(), 0.0);
+  g.dk.assign(k.size(), 0.0);
+  g.dv.assign(v.size(), 0.0);
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads_q; ++h)
+      for (int i = 0; i < s.seqlen_q; ++i) {
+        const size_t row = (size_t(b) * s.heads_q + h) * s.seqlen_q + i;
+        const size_t kv = (size_t(b) * s.heads_kv + h / s.group_size()) * s.seqlen_k;
+        double delta = 0;
+        for (int c = 0; c < d; ++c) delta += double(dout[row * d + c]) * g.o[row * d + c];
+        for (int j = 0; j < s.seqlen_k; ++j) {
+          if (s.causal && j > i + s.seqlen_k - s.seqlen_q) break;
+          double dot = 0, dp = 0;
+          for (int c = 0; c < d; ++c) {
+            dot += double(q[row * d + c]) * k[(kv + j) * d + c];
+            dp += double(dout[row * d + c]) * v[(kv + j) * d + c];
+          }
+          const double p = std::exp(dot * scale - g.lse[row]);
+          const double ds = p * (dp - delta);
+          for (int c = 0; c < d; ++c) {
+            g.dv[(kv + j) * d + c] += p * dout[row * d + c];
+            g.dq[row * d + c] += scale * ds * k[(kv + j) * d + c];
+            g.dk[(kv + j) * d + c] += scale * ds * q[row * d + c];
+          }
+        }
+      }
+  return g;
+}
+
+// ||a - b|| / ||b||, the norm-wise relative error of the tolerance rule.
+double relative_error(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+}
+
+// Every result of two backward references, bit for bit.
+void check_same_bits(const BackwardReference& a, const BackwardReference& b) {
+  CHECK(same_bits(a.dq, b.dq));
+  CHECK(same_bits(a.dk, b.dk));
+  CHECK(same_bits(a.dv, b.dv));
+  CHECK(same_bits(a.o, b.o));
+  CHECK(same_bits(a.lse, b.lse));
+  CHECK(a.max_abs_logit == b.max_abs_logit);
+}
+
+// The inputs of a whole problem, and copies of some of its (batch, key/value head) groups in
+// buffers of their own, as the runner holds them: nothing ties a group to its place in the layout.
+struct BackwardProblem {
+  AttentionShape shape;
+  std::vector<float> q, k, v, dout;
+  std::vector<std::vector<float>> copies;
+
+  BackwardProblem(const AttentionShape& s, uint64_t seed) : shape(s) {
+    q = random_values(s.q_elements(), seed, 0);
+    k = random_values(s.kv_elements(), seed, 1);
+    v = random_values(s.kv_elements(), seed, 2);
+    dout = random_values(s.q_elements(), seed, 3);
+  }
+
+  std::vector<BackwardGroupInputs> groups(const std::vector<size_t>& flat_kv_heads) {
+    const size_t q_head = size_t(shape.seqlen_q) * shape.head_dim;
+    const size_t kv_head = size_t(shape.seqlen_k) * shape.head_dim;
+    auto copy = [&](const std::vector<float>& from, size_t at, size_t n) {
+      copies.emplace_back(from.begin() + at, from.begin() + at + n);
+      return copies.back().data();
+    };
+    copies.reserve(copies.size() + flat_kv_heads.size() * (2 + 2 * shape.group_size()));
+    std::vector<BackwardGroupInputs> inputs;
+    for (size_t kv : flat_kv_heads) {
+      BackwardGroupInputs in{
+          copy(k, kv * kv_head, kv_head), copy(v, kv * kv_head, kv_head), {}, {}};
+      for (size_t h = kv * shape.group_size(); h < (kv + 1) * shape.group_size(); ++h) {
+        in.q.push_back(copy(q, h * q_head, q_head));
+        in.dout.push_back(copy(dout, h * q_head, q_head));
+      }
+      inputs.push_back(in);
+    }
+    return inputs;
+  }
+};
 
 }  // namespace
 
@@ -175,6 +277,174 @@ TEST_CASE("backward reference matches finite differences of sum(dout * O)") {
     check_gradient(k, grad.dk);
     check_gradient(v, grad.dv);
   }
+}
+
+TEST_CASE("tiled backward reference equals the loop definition") {
+  // GQA 4 with odd lengths; seqlen_q > seqlen_k under causal (rows that see no key); more rows and
+  // keys than one tile (64 x 128) so several row blocks and key tiles meet, causal and not.
+  const AttentionShape shapes[] = {
+      make_shape(2, 8, 2, 37, 70, 16, false), make_shape(2, 8, 2, 37, 70, 16, true),
+      make_shape(1, 4, 1, 70, 37, 16, true), make_shape(1, 2, 2, 150, 300, 8, true),
+      make_shape(1, 1, 1, 300, 150, 8, false)};
+  uint64_t seed = 30;
+  for (const AttentionShape& s : shapes) {
+    CAPTURE(s.describe());
+    BackwardProblem p(s, seed++);
+    const BackwardReference loop = loop_backward(s, p.q, p.k, p.v, p.dout);
+    const BackwardReference tiled = reference_backward(s, p.q, p.k, p.v, p.dout);
+    CHECK(max_abs_diff(tiled.dq, loop.dq) < 1e-12);
+    CHECK(max_abs_diff(tiled.dk, loop.dk) < 1e-12);
+    CHECK(max_abs_diff(tiled.dv, loop.dv) < 1e-12);
+    CHECK(max_abs_diff(tiled.o, loop.o) < 1e-12);
+    CHECK(max_abs_diff(tiled.lse, loop.lse) < 1e-12);
+  }
+}
+
+TEST_CASE("the per-group backward form equals the full-layout form") {
+  // GQA 4, causal with seqlen_q > seqlen_k, odd lengths; every group from a copy of its own.
+  const AttentionShape s = make_shape(2, 8, 2, 70, 37, 16, true);
+  BackwardProblem p(s, 40);
+  for (RefPrecision precision : {RefPrecision::kDouble, RefPrecision::kPlainBf16}) {
+    CAPTURE(int(precision));
+    const BackwardReference full = reference_backward(s, p.q, p.k, p.v, p.dout, precision);
+    check_same_bits(reference_backward(s, p.groups({0, 1, 2, 3}), precision), full);
+  }
+}
+
+TEST_CASE("a sample of backward groups gives exactly those groups' results") {
+  const AttentionShape s = make_shape(2, 8, 2, 70, 37, 16, true);
+  BackwardProblem p(s, 41);
+  const BackwardReference full = reference_backward(s, p.q, p.k, p.v, p.dout);
+  const std::vector<size_t> sample = {3, 0};  // out of layout order on purpose
+  const BackwardReference part = reference_backward(s, p.groups(sample));
+  const size_t q_group = size_t(s.group_size()) * s.seqlen_q * s.head_dim;
+  const size_t lse_group = size_t(s.group_size()) * s.seqlen_q;
+  const size_t kv_group = size_t(s.seqlen_k) * s.head_dim;
+  auto slice = [](const std::vector<double>& x, size_t at, size_t n) {
+    return std::vector<double>(x.begin() + at, x.begin() + at + n);
+  };
+  for (size_t n = 0; n < sample.size(); ++n) {
+    CAPTURE(sample[n]);
+    const size_t g = sample[n];
+    CHECK(same_bits(slice(part.dq, n * q_group, q_group), slice(full.dq, g * q_group, q_group)));
+    CHECK(same_bits(slice(part.o, n * q_group, q_group), slice(full.o, g * q_group, q_group)));
+    CHECK(same_bits(slice(part.lse, n * lse_group, lse_group),
+                    slice(full.lse, g * lse_group, lse_group)));
+    CHECK(
+        same_bits(slice(part.dk, n * kv_group, kv_group), slice(full.dk, g * kv_group, kv_group)));
+    CHECK(
+        same_bits(slice(part.dv, n * kv_group, kv_group), slice(full.dv, g * kv_group, kv_group)));
+  }
+  CHECK(part.dq.size() == sample.size() * q_group);
+  CHECK(part.dk.size() == sample.size() * kv_group);
+}
+
+TEST_CASE("the backward reference's o and lse are the forward reference's") {
+  // The runner checks a backward run's forward output against these, so they must be the forward
+  // reference's up to rounding (the backward sums the softmax over key tiles, the forward in one).
+  const AttentionShape shapes[] = {make_shape(1, 4, 2, 150, 300, 16, true),
+                                   make_shape(2, 4, 1, 70, 37, 16, true)};
+  uint64_t seed = 50;
+  for (const AttentionShape& s : shapes) {
+    CAPTURE(s.describe());
+    BackwardProblem p(s, seed++);
+    const BackwardReference grad = reference_backward(s, p.q, p.k, p.v, p.dout);
+    const ForwardReference fwd = reference_forward(s, p.q, p.k, p.v, all_heads(s));
+    CHECK(max_abs_diff(grad.o, fwd.o) < 1e-12);
+    CHECK(max_abs_diff(grad.lse, fwd.lse) < 1e-12);
+    CHECK(grad.max_abs_logit == doctest::Approx(fwd.max_abs_logit).epsilon(1e-12));
+    CHECK(grad.max_abs_logit > 0);
+  }
+}
+
+TEST_CASE("backward rows that see no key get zero gradients and lse -inf, and nothing is NaN") {
+  // Causal, 70 queries over 37 keys: the first 33 rows of each head see nothing.
+  const AttentionShape s = make_shape(1, 4, 2, 70, 37, 16, true);
+  BackwardProblem p(s, 60);
+  round_to_bf16(p.q);
+  round_to_bf16(p.k);
+  round_to_bf16(p.v);
+  round_to_bf16(p.dout);
+  const int blind_rows = s.seqlen_q - s.seqlen_k, d = s.head_dim;
+  for (RefPrecision precision : {RefPrecision::kDouble, RefPrecision::kPlainBf16}) {
+    CAPTURE(int(precision));
+    const BackwardReference g = reference_backward(s, p.q, p.k, p.v, p.dout, precision);
+    for (int h = 0; h < s.heads_q; ++h)
+      for (int i = 0; i < s.seqlen_q; ++i) {
+        const size_t row = size_t(h) * s.seqlen_q + i;
+        if (i < blind_rows) {
+          CHECK(g.lse[row] == kNegInf);
+        } else {
+          CHECK(std::isfinite(g.lse[row]));
+        }
+        for (int c = 0; c < d; ++c) {
+          if (i < blind_rows) {
+            CHECK(g.dq[row * d + c] == 0.0);
+            CHECK(g.o[row * d + c] == 0.0);
+          }
+          CHECK(std::isfinite(g.dq[row * d + c]));
+          CHECK(std::isfinite(g.o[row * d + c]));
+        }
+      }
+    for (double x : g.dk) CHECK(std::isfinite(x));
+    for (double x : g.dv) CHECK(std::isfinite(x));
+  }
+}
+
+TEST_CASE("the plain-bf16 backward reference is close to, but not the same as, the double one") {
+  // It sets the bf16 chapters' gradient tolerances, so it must be a real bf16 computation: errors
+  // of the order of bf16's 2^-8 relative step, not zero and not beyond the 1e-2 floor.
+  const AttentionShape s = make_shape(1, 4, 2, 100, 150, 64, true);
+  BackwardProblem p(s, 70);
+  round_to_bf16(p.q);
+  round_to_bf16(p.k);
+  round_to_bf16(p.v);
+  round_to_bf16(p.dout);
+  const BackwardReference exact = reference_backward(s, p.q, p.k, p.v, p.dout);
+  const BackwardReference plain =
+      reference_backward(s, p.q, p.k, p.v, p.dout, RefPrecision::kPlainBf16);
+  struct Compared {
+    std::string name;
+    const std::vector<double>& plain;
+    const std::vector<double>& exact;
+  };
+  for (const Compared& c :
+       {Compared{"o", plain.o, exact.o}, Compared{"dq", plain.dq, exact.dq},
+        Compared{"dk", plain.dk, exact.dk}, Compared{"dv", plain.dv, exact.dv}}) {
+    CAPTURE(c.name);
+    const double err = relative_error(c.plain, c.exact);
+    CHECK(err > 1e-4);
+    CHECK(err < 1e-2);
+  }
+}
+
+TEST_CASE("the backward reference gives the same bits on every run") {
+  // One group and a long causal sequence: many tasks in both passes, taken by whichever thread is
+  // free, so each run schedules them differently.
+  const AttentionShape s = make_shape(1, 2, 1, 700, 650, 32, true);
+  BackwardProblem p(s, 80);
+  for (RefPrecision precision : {RefPrecision::kDouble, RefPrecision::kPlainBf16}) {
+    CAPTURE(int(precision));
+    check_same_bits(reference_backward(s, p.q, p.k, p.v, p.dout, precision),
+                    reference_backward(s, p.q, p.k, p.v, p.dout, precision));
+  }
+}
+
+TEST_CASE("the backward reference's memory follows its workers, not seqlen_q x seqlen_k") {
+  // One group at seqlen 16384, head_dim 128: a whole S in double alone would be 2 GiB.
+  const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const size_t per_row = 3 * sizeof(double);  // softmax maximum, sum and D, per query row
+  const AttentionShape one_tile = make_shape(1, 1, 1, 64, 128, 128);  // one task per pass
+  const size_t one_worker = reference_backward_worker_bytes(one_tile, 1) - 64 * per_row;
+  const AttentionShape long_seq = make_shape(1, 1, 1, 16384, 16384, 128, true);
+  const size_t long_bytes = reference_backward_worker_bytes(long_seq, 1);
+  CHECK(long_bytes < size_t(200) << 20);
+  // 256 blocks of rows: as many workers as cores, each with tiles of the same size as above.
+  CHECK(long_bytes == std::min<size_t>(cores, 256) * one_worker + 16384 * per_row);
+  // Twice the sequence: the same workers, and only the per-row statistics grow.
+  const AttentionShape longer_seq = make_shape(1, 1, 1, 32768, 32768, 128, true);
+  CHECK(reference_backward_worker_bytes(longer_seq, 1) == long_bytes + 16384 * per_row);
+  CHECK(reference_backward_worker_bytes(long_seq, 0) == 0);
 }
 
 TEST_CASE("decode reference equals the forward reference with one query row") {

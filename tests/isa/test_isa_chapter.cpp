@@ -2,7 +2,8 @@
 // runs in CI): the PTX holds the instructions the chapter is about, ptxas reports no spills and
 // no stack frame for any of its kernels, and, where cuobjdump exists, the SASS holds the matching
 // machine instructions and no local-memory accesses. CMake passes ISA_OUT (the path prefix of the
-// files compile_isa.cmake wrote), ISA_PTX and ISA_SASS (','-separated instructions to find).
+// files compile_isa.cmake wrote), ISA_PTX and ISA_SASS (','-separated instructions to find), and
+// ISA_PTX_ABSENT (instructions that must not be there: atomics a chapter does not use).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -45,6 +46,15 @@ TEST_CASE("the PTX holds the chapter's instructions") {
   for (const std::string& instruction : split(ISA_PTX)) {
     INFO("PTX instruction: " << instruction);
     CHECK(count(ptx, instruction) > 0);
+  }
+}
+
+TEST_CASE("the PTX holds none of the instructions the chapter does without") {
+  const std::string ptx = read_file(std::string(ISA_OUT) + ".ptx");
+  REQUIRE_MESSAGE(!ptx.empty(), "no PTX at " ISA_OUT ".ptx");
+  for (const std::string& instruction : split(ISA_PTX_ABSENT)) {
+    INFO("PTX instruction that should be absent: " << instruction);
+    CHECK(count(ptx, instruction) == 0);
   }
 }
 
