@@ -24,7 +24,7 @@
 //                                  d = 128: warp w computes query rows 16 (w % 2) .. + 15,
 //                                           columns 64 (w / 2) .. + 63
 //                                A read from the dS^T tile with ldmatrix.trans, B = K_j, then
-//                                fp32 red.global.add into the accumulator.
+//                                fp32 red.global.add.v4 (4 floats) into the accumulator.
 //
 // Why S^T and not S: the products that stay inside a warp are the ones whose reduction runs over
 // queries (dV = P^T dO, dK = dS^T Q), because a warp holds every query of the step. Their A
@@ -37,7 +37,8 @@
 //
 // dQ, two ways:
 //   atomic (default): the main kernel adds each step's dQ_i into an fp32 buffer in the workspace
-//     (red.global.add.f32; the pre-pass zeroes it), and a small kernel converts it to bf16. The
+//     (red.global.add.v4.f32, four floats per request; the pre-pass zeroes it), and a small kernel
+//     converts it to bf16. The
 //     order of the additions depends on the timing of the thread blocks: the sum is not the same
 //     bits on every run.
 //   deterministic: the main kernel skips dQ. A separate kernel, one thread block per (query
