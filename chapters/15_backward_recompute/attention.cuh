@@ -5,7 +5,7 @@
 // of P = softmax(scale Q K^T) exactly, with one exp per score, so the seqlen_q x seqlen_k matrix
 // never goes to device memory:
 //
-//   pre-pass, per query row i:  D_i = rowsum(dO_i * O_i);  dQ = 0               device memory
+//   pre-pass, per query row i:  D_i = rowsum(dO_i * O_i)  (dQ = 0 by a memset)  device memory
 //   block (j, batch, kv head):  K_j, V_j -> shared memory, once
 //     dK_j = 0, dV_j = 0                                       registers, for the whole loop
 //     for each query head of the group, for each query block i that sees a key of block j:
@@ -200,8 +200,9 @@ __global__ void __launch_bounds__(kThreads)
           dp[i] += dout_tile[r * kStride + c] * v_elem;
         }
       }
-      // P = exp(scale S - LSE) is already the softmax (no max, no sum). Masked scores, keys past
-      // the end, and rows that see no key (LSE = -inf: exp would be of +inf) get P = 0, so dS = 0.
+      // P = exp(scale * s - LSE), with s the unscaled Q K^T, is already the softmax (no max, no
+      // sum). Masked scores, keys past the end, and rows that see no key (LSE = -inf: exp would be
+      // of +inf) get P = 0, so dS = 0.
 #pragma unroll
       for (int i = 0; i < kScoresPerThread; ++i) {
         const int r = score_row0 + i * kScoreRowStep;

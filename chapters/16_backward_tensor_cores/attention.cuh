@@ -98,9 +98,10 @@ constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;  // mma.sync.m16n8k16
 // iteration of the dQ kernel. A thread holds 16 x head_dim / 32 floats of dK and as many of dV:
 // 64 + 64 at d = 128.
 constexpr int kBlockN = kWarps * kMmaM;
-// Queries per step of the main kernel, per head_dim. Beside dK and dV a thread holds kBlockM / 8
+// Queries per step of the main kernel, per head_dim. Beside dK and dV a thread holds kBlockM / 2
 // floats of S^T and as many of dP^T: with 64 queries at d = 128 that is 128 + 32 + 32 of 255
-// registers, and ptxas (CUDA 13.0) spills in atomic mode; with 32 it needs 241 (exercise 2).
+// registers, and ptxas (CUDA 13.0) spills in atomic mode; with 32 it needs 255 in atomic mode and
+// 241 in deterministic mode, without spills (exercise 2).
 template <int kHeadDim>
 constexpr int kBlockMFor = kHeadDim == 64 ? 64 : 32;
 // Query rows per thread block of the dQ kernel: one 16-row MMA tile per warp.
