@@ -5,13 +5,12 @@
 #include <sstream>
 
 #include "cuda_check.h"
-#include "device.h"
 #include "device_buffer.h"
 #include "host_data.h"
-#include "memory_plan.h"
 #include "npy.h"
 #include "plain_forward.h"
 #include "reference.h"
+#include "run_parts.h"
 #include "runner.h"
 
 namespace attn {
@@ -28,12 +27,6 @@ std::vector<HeadIndex> checked_groups(const RunOptions& options) {
   if (options.check_all) return all_heads(groups);
   const double budget = options.check_mac_budget / (5.0 * options.shape.group_size());
   return sample_heads(groups, budget, options.seed, size_t(options.check_max_heads));
-}
-
-// Q, K, V, O, dO, dQ, dK, dV in the chapter's dtype and LSE in float.
-size_t io_bytes(const AttentionShape& shape, DType dtype) {
-  return (4 * shape.q_elements() + 4 * shape.kv_elements()) * dtype_size(dtype) +
-         shape.lse_elements() * sizeof(float);
 }
 
 // Host bytes of the check of `groups` groups: per query head its Q, dO, O and dQ (float) and LSE,
@@ -142,29 +135,29 @@ std::function<std::string(size_t)> where(const AttentionShape& shape,
   };
 }
 
+// Q, K, V, O, dO, dQ, dK, dV in the chapter's dtype and LSE in float.
+RunFootprint backward_footprint(const BackwardChapter& chapter, const RunOptions& options) {
+  const AttentionShape& shape = options.shape;
+  const size_t groups = checked_groups(options).size();
+  RunFootprint f;
+  f.io_what = "Q, K, V, O, LSE, dO, dQ, dK, dV";
+  f.io_bytes = (4 * shape.q_elements() + 4 * shape.kv_elements()) * dtype_size(chapter.dtype) +
+               shape.lse_elements() * sizeof(float);
+  f.workspace_bytes = chapter.workspace_bytes(shape);
+  f.largest_input_elements = shape.q_elements();
+  f.check_what = "check of " + std::to_string(groups) + " groups";
+  f.check_bytes = check_host_bytes(shape, chapter.dtype, groups);
+  f.save_bytes =
+      4 * size_t(4 * shape.q_elements() + 4 * shape.kv_elements() + shape.lse_elements());
+  f.fewer_checks =
+      "check fewer (batch, key/value head) groups with --check-heads N, or none with --no-check.";
+  return f;
+}
+
 }  // namespace
 
 void require_backward_fits(const BackwardChapter& chapter, const RunOptions& options) {
-  const AttentionShape& shape = options.shape;
-  MemoryNeed device_need;
-  device_need.add("Q, K, V, O, LSE, dO, dQ, dK, dV", io_bytes(shape, chapter.dtype));
-  device_need.add("workspace", chapter.workspace_bytes(shape));
-  if (options.bench && options.timing.flush_l2)
-    device_need.add("L2 flush buffer", l2_flush_bytes());
-  require_device_memory(device_need);
-  const size_t groups = checked_groups(options).size();
-  MemoryNeed host_need;
-  host_need.add("input pieces", input_piece_host_bytes(shape.q_elements()));
-  host_need.add("check of " + std::to_string(groups) + " groups",
-                check_host_bytes(shape, chapter.dtype, groups));
-  if (!options.save_dir.empty())
-    host_need.add("--save", 4 * size_t(4 * shape.q_elements() + 4 * shape.kv_elements() +
-                                       shape.lse_elements()));
-  require_host_memory(host_need, options.save_dir.empty()
-                                     ? "check fewer (batch, key/value head) groups with "
-                                       "--check-heads N, or none with --no-check."
-                                     : "--save holds every tensor on the host: leave it out, or "
-                                       "save a smaller problem.");
+  require_fits(backward_footprint(chapter, options), options);
 }
 
 RunReport run_backward(const BackwardChapter& chapter, const RunOptions& options) {
@@ -174,19 +167,11 @@ RunReport run_backward(const BackwardChapter& chapter, const RunOptions& options
     throw InvalidInput(std::string(chapter.name) +
                        " has no deterministic mode: its dQ is summed with atomics only.");
   const DType dtype = chapter.dtype;
-  require_backward_fits(chapter, options);
+  const RunFootprint footprint = backward_footprint(chapter, options);
+  require_fits(footprint, options);
 
-  RunReport report;
-  report.chapter = chapter.name;
-  report.kind = ChapterKind::kBackward;
-  report.deterministic = options.deterministic;
-  report.dtype = dtype;
-  report.shape = shape;
-  report.device = device_description();
-  report.io_what = "Q, K, V, O, LSE, dO, dQ, dK, dV";
-  report.io_bytes = io_bytes(shape, dtype);
-  report.workspace_what = chapter.workspace_what;
-  report.workspace_bytes = chapter.workspace_bytes(shape);
+  RunReport report = start_report(chapter.name, ChapterKind::kBackward, dtype, options, footprint,
+                                  chapter.workspace_what);
   const std::vector<HeadIndex> groups = checked_groups(options);
 
   DeviceTensor q_dev(dtype, shape.q_elements()), k_dev(dtype, shape.kv_elements()),
@@ -286,13 +271,9 @@ RunReport run_backward(const BackwardChapter& chapter, const RunOptions& options
     for (const OutputCheck& output : report.outputs) report.passed &= output.comparison.passed;
   }
 
-  if (options.bench) {
-    report.timing =
-        time_launches([&](cudaStream_t stream) { chapter.launch(params, stream); }, options.timing);
-    CUDA_CHECK_LAUNCH();
-    report.timed = true;
-    report.tflops = backward_flops(shape) / (report.timing.median_ms * 1e-3) / 1e12;
-  }
+  time_into(
+      report, [&](cudaStream_t stream) { chapter.launch(params, stream); }, options,
+      backward_flops(shape));
   return report;
 }
 

@@ -13,6 +13,7 @@
 #include "memory_plan.h"
 #include "npy.h"
 #include "reference.h"
+#include "run_parts.h"
 
 namespace attn {
 
@@ -21,6 +22,49 @@ const Comparison& RunReport::comparison(const std::string& name) const {
   for (const OutputCheck& output : outputs)
     if (output.name == name) return output.comparison;
   return kUnchecked;
+}
+
+void require_fits(const RunFootprint& footprint, const RunOptions& options) {
+  MemoryNeed device_need;
+  device_need.add(footprint.io_what, footprint.io_bytes);
+  device_need.add("workspace", footprint.workspace_bytes);
+  if (options.bench && options.timing.flush_l2)
+    device_need.add("L2 flush buffer", l2_flush_bytes());
+  require_device_memory(device_need);
+  MemoryNeed host_need;
+  host_need.add("input pieces", input_piece_host_bytes(footprint.largest_input_elements));
+  host_need.add(footprint.check_what, footprint.check_bytes);
+  if (!options.save_dir.empty()) host_need.add("--save", footprint.save_bytes);
+  require_host_memory(host_need, options.save_dir.empty()
+                                     ? footprint.fewer_checks
+                                     : "--save holds every tensor on the host: leave it out, or "
+                                       "save a smaller problem.");
+}
+
+RunReport start_report(const char* chapter, ChapterKind kind, DType dtype,
+                       const RunOptions& options, const RunFootprint& footprint,
+                       const char* workspace_what) {
+  RunReport report;
+  report.chapter = chapter;
+  report.kind = kind;
+  report.deterministic = options.deterministic;
+  report.dtype = dtype;
+  report.shape = options.shape;
+  report.device = device_description();
+  report.io_what = footprint.io_what;
+  report.io_bytes = footprint.io_bytes;
+  report.workspace_what = workspace_what;
+  report.workspace_bytes = footprint.workspace_bytes;
+  return report;
+}
+
+void time_into(RunReport& report, const std::function<void(cudaStream_t)>& launch,
+               const RunOptions& options, double flops) {
+  if (!options.bench) return;
+  report.timing = time_launches(launch, options.timing);
+  CUDA_CHECK_LAUNCH();
+  report.timed = true;
+  report.tflops = flops / (report.timing.median_ms * 1e-3) / 1e12;
 }
 
 namespace {
@@ -106,34 +150,28 @@ std::vector<HeadIndex> checked_heads(const RunOptions& options) {
                       size_t(options.check_max_heads));
 }
 
-size_t io_bytes(const AttentionShape& shape, DType dtype) {
-  return (2 * shape.q_elements() + 2 * shape.kv_elements()) * dtype_size(dtype) +
-         shape.lse_elements() * sizeof(float);
+// Q, K, V, O in the chapter's dtype and LSE in float.
+RunFootprint forward_footprint(const ForwardChapter& chapter, const RunOptions& options) {
+  const AttentionShape& shape = options.shape;
+  const std::vector<HeadIndex> heads = checked_heads(options);
+  RunFootprint f;
+  f.io_what = "Q, K, V, O, LSE";
+  f.io_bytes = (2 * shape.q_elements() + 2 * shape.kv_elements()) * dtype_size(chapter.dtype) +
+               shape.lse_elements() * sizeof(float);
+  f.workspace_bytes = chapter.workspace_bytes(shape);
+  f.largest_input_elements = shape.q_elements();
+  f.check_what = "check of " + std::to_string(heads.size()) + " heads";
+  f.check_bytes = check_host_bytes(shape, chapter.dtype, heads);
+  f.save_bytes =
+      4 * size_t(2 * shape.q_elements() + 2 * shape.kv_elements() + shape.lse_elements());
+  f.fewer_checks = "check fewer (batch, head) pairs with --check-heads N, or none with --no-check.";
+  return f;
 }
 
 }  // namespace
 
 void require_forward_fits(const ForwardChapter& chapter, const RunOptions& options) {
-  const AttentionShape& shape = options.shape;
-  MemoryNeed device_need;
-  device_need.add("Q, K, V, O, LSE", io_bytes(shape, chapter.dtype));
-  device_need.add("workspace", chapter.workspace_bytes(shape));
-  if (options.bench && options.timing.flush_l2)
-    device_need.add("L2 flush buffer", l2_flush_bytes());
-  require_device_memory(device_need);
-  const std::vector<HeadIndex> heads = checked_heads(options);
-  MemoryNeed host_need;
-  host_need.add("input pieces", input_piece_host_bytes(shape.q_elements()));
-  host_need.add("check of " + std::to_string(heads.size()) + " heads",
-                check_host_bytes(shape, chapter.dtype, heads));
-  if (!options.save_dir.empty())
-    host_need.add("--save", 4 * size_t(2 * shape.q_elements() + 2 * shape.kv_elements() +
-                                       shape.lse_elements()));
-  require_host_memory(host_need, options.save_dir.empty()
-                                     ? "check fewer (batch, head) pairs with --check-heads N, or "
-                                       "none with --no-check."
-                                     : "--save holds every tensor on the host: leave it out, or "
-                                       "save a smaller problem.");
+  require_fits(forward_footprint(chapter, options), options);
 }
 
 RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) {
@@ -141,17 +179,11 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
   if (std::string why = validate(shape, chapter.head_dims); !why.empty()) throw InvalidInput(why);
   const DType dtype = chapter.dtype;
   // Everything this run will hold, before any of it is allocated.
-  require_forward_fits(chapter, options);
+  const RunFootprint footprint = forward_footprint(chapter, options);
+  require_fits(footprint, options);
 
-  RunReport report;
-  report.chapter = chapter.name;
-  report.dtype = dtype;
-  report.shape = shape;
-  report.device = device_description();
-  report.io_what = "Q, K, V, O, LSE";
-  report.workspace_what = chapter.workspace_what;
-  report.io_bytes = io_bytes(shape, dtype);
-  report.workspace_bytes = chapter.workspace_bytes(shape);
+  RunReport report = start_report(chapter.name, ChapterKind::kForward, dtype, options, footprint,
+                                  chapter.workspace_what);
   const std::vector<HeadIndex> heads = checked_heads(options);
 
   DeviceTensor q_dev(dtype, shape.q_elements()), k_dev(dtype, shape.kv_elements()),
@@ -224,13 +256,9 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
     for (const OutputCheck& output : report.outputs) report.passed &= output.comparison.passed;
   }
 
-  if (options.bench) {
-    report.timing =
-        time_launches([&](cudaStream_t stream) { chapter.launch(params, stream); }, options.timing);
-    CUDA_CHECK_LAUNCH();
-    report.timed = true;
-    report.tflops = forward_flops(shape) / (report.timing.median_ms * 1e-3) / 1e12;
-  }
+  time_into(
+      report, [&](cudaStream_t stream) { chapter.launch(params, stream); }, options,
+      forward_flops(shape));
   return report;
 }
 
