@@ -1,5 +1,6 @@
 // The interface between a chapter and the harness: what a chapter's attention.cuh provides, and
-// what the runner hands to its launch function, one pair per kind of chapter (forward, backward).
+// what the runner hands to its launch function, one pair per kind of chapter (forward, backward,
+// decode).
 // Nothing in here is part of the lesson.
 #pragma once
 
@@ -24,9 +25,9 @@ struct ForwardParams {
 };
 
 struct ForwardChapter {
-  const char* name;     // the folder, e.g. "01_naive"
-  const char* summary;  // one line: what this step does
-  DType dtype;  // of Q, K, V and O
+  const char* name;            // the folder, e.g. "01_naive"
+  const char* summary;         // one line: what this step does
+  DType dtype;                 // of Q, K, V and O
   std::vector<int> head_dims;  // the head dimensions its kernels support
   int min_compute_capability;  // e.g. 80 for mma.sync with bf16
   // False only for the chapter whose lesson is the overflow (01): the tests then expect failure.
@@ -60,10 +61,43 @@ struct BackwardChapter {
   DType dtype;          // of Q, K, V, O, dO and the gradients
   std::vector<int> head_dims;
   int min_compute_capability;
-  bool has_deterministic_mode;  // accepts --deterministic
+  bool has_deterministic_mode;                             // accepts --deterministic
   size_t (*workspace_bytes)(const AttentionShape& shape);  // enough for either mode
   const char* workspace_what;
   void (*launch)(const BackwardParams& params, cudaStream_t stream);
+};
+
+// Decoding: a few new query tokens per sequence against a KV cache (shape.h, DecodeShape). The
+// cache holds the new tokens' own keys and values already, and every slot past a sequence's length
+// is NaN: a kernel that reads one fails the check.
+struct DecodeParams {
+  DecodeShape shape;        // on the host: the launch may read the lengths to plan its grid
+  const void* q = nullptr;  // [batch, heads_q, seqlen_q, head_dim]
+  // Contiguous chapters: [batch, heads_kv, shape.max_seqlen_k, head_dim].
+  // Paged chapters: a pool of pages [num_pages, page_size, heads_kv, head_dim]; token t of
+  // sequence b is slot t % page_size of page block_table[b * max_pages_per_seq + t / page_size].
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int* seqlens_k = nullptr;    // on the device: [batch], shape.seqlens_k
+  const int* block_table = nullptr;  // paged only, on the device: [batch, max_pages_per_seq]
+  int page_size = 0;                 // paged only
+  int max_pages_per_seq = 0;         // paged only
+  int num_pages = 0;                 // paged only
+  void* o = nullptr;                 // [batch, heads_q, seqlen_q, head_dim]
+  float* lse = nullptr;       // [batch, heads_q, seqlen_q], natural log; -inf for a row with no key
+  void* workspace = nullptr;  // DecodeChapter::workspace_bytes(shape) bytes, uninitialised
+};
+
+struct DecodeChapter {
+  const char* name;     // the folder, e.g. "19_flash_decoding"
+  const char* summary;  // one line: what this step does
+  DType dtype;          // of Q, the cache and O
+  std::vector<int> head_dims;
+  int min_compute_capability;
+  bool paged;  // reads the cache through a block table (otherwise contiguous)
+  size_t (*workspace_bytes)(const DecodeShape& shape);
+  const char* workspace_what;
+  void (*launch)(const DecodeParams& params, cudaStream_t stream);
 };
 
 }  // namespace attn

@@ -8,7 +8,6 @@
 #include "cuda_check.h"
 
 namespace attn {
-namespace {
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -16,6 +15,8 @@ uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
+
+namespace {
 
 // Uniform in (0, 1]: never 0, so the logarithm below is finite.
 double uniform_open(uint64_t bits) {

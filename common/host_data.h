@@ -10,6 +10,10 @@
 
 namespace attn {
 
+// A counter-based generator's step (Steele, Lea and Flood's SplitMix64): well-mixed 64 bits from
+// any 64-bit counter, the same on every machine.
+uint64_t splitmix64(uint64_t x);
+
 // Normal(0, stddev) samples from a counter-based generator: the same numbers on every machine and
 // standard library for a given seed and stream (std::normal_distribution differs between them).
 // Element i of a stream depends on (seed, stream, i) alone, so a tensor can be made piece by
@@ -26,7 +30,14 @@ void round_to_bf16(std::vector<float>& values);
 
 // The random inputs of every kind of run. Each tensor draws from its own stream of the seed, so a
 // run can make any piece of any input again (the check does, for the heads it compares).
-enum InputStream : uint64_t { kStreamQ = 0, kStreamK = 1, kStreamV = 2, kStreamDOut = 3 };
+enum InputStream : uint64_t {
+  kStreamQ = 0,
+  kStreamK = 1,
+  kStreamV = 2,
+  kStreamDOut = 3,
+  kStreamLengths = 4,  // decode: the lengths of a seeded spread
+  kStreamPages = 5,    // decode: the shuffled order of a paged cache's pool
+};
 // Inputs are made and uploaded this many elements at a time (32 MB of float), so the host never
 // holds a whole tensor: a problem that fits the GPU does not need the same again in host memory.
 constexpr size_t kInputPieceElements = size_t(1) << 23;

@@ -15,18 +15,29 @@ namespace attn {
 
 namespace {
 
-// The program of a chapter of either kind: `require_fits` and `run` are the kind's functions of
+// "" or what is wrong with the shape (and, for decode, the lengths), before any GPU is touched.
+std::string validate_options(const ForwardChapter& chapter, const RunOptions& options) {
+  return validate(options.shape, chapter.head_dims);
+}
+std::string validate_options(const BackwardChapter& chapter, const RunOptions& options) {
+  return validate(options.shape, chapter.head_dims);
+}
+std::string validate_options(const DecodeChapter& chapter, const RunOptions& options) {
+  return validate(decode_shape(options), chapter.head_dims);  // decode_shape throws InvalidInput
+}
+
+// The program of a chapter of any kind: `require_fits` and `run` are the kind's functions of
 // runner.h.
 template <typename Chapter, typename RequireFits, typename Run>
-int chapter_main(int argc, char** argv, const Chapter& chapter, RequireFits&& require_fits,
-                 Run&& run) {
+int chapter_main(int argc, char** argv, ChapterKind kind, const Chapter& chapter,
+                 RequireFits&& require_fits, Run&& run) {
   auto fail = [&](const char* what, int code) {
     std::fprintf(stderr, "%s: %s\n", chapter.name, what);
     return code;
   };
   CliOptions cli;
   try {
-    cli = parse_cli(std::vector<std::string>(argv + 1, argv + argc));
+    cli = parse_cli(std::vector<std::string>(argv + 1, argv + argc), kind);
   } catch (const InvalidInput& e) {
     return fail(e.what(), kExitBadInput);
   }
@@ -34,9 +45,9 @@ int chapter_main(int argc, char** argv, const Chapter& chapter, RequireFits&& re
     std::fputs(usage(chapter).c_str(), stdout);
     return kExitPass;
   }
-  if (std::string why = validate(cli.run.shape, chapter.head_dims); !why.empty())
-    return fail(why.c_str(), kExitBadInput);
   try {
+    if (std::string why = validate_options(chapter, cli.run); !why.empty())
+      return fail(why.c_str(), kExitBadInput);
     if (std::string problem = device_problem(chapter.min_compute_capability); !problem.empty())
       return fail(problem.c_str(), kExitNoDevice);
     require_fits(chapter, cli.run);
@@ -66,7 +77,7 @@ int chapter_main(int argc, char** argv, const Chapter& chapter, RequireFits&& re
 
 int forward_main(int argc, char** argv, const ForwardChapter& chapter) {
   return chapter_main(
-      argc, argv, chapter, require_forward_fits,
+      argc, argv, ChapterKind::kForward, chapter, require_forward_fits,
       [](const ForwardChapter& c, const RunOptions& options) {
         if (options.deterministic)
           throw InvalidInput(
@@ -77,7 +88,19 @@ int forward_main(int argc, char** argv, const ForwardChapter& chapter) {
 }
 
 int backward_main(int argc, char** argv, const BackwardChapter& chapter) {
-  return chapter_main(argc, argv, chapter, require_backward_fits, run_backward);
+  return chapter_main(argc, argv, ChapterKind::kBackward, chapter, require_backward_fits,
+                      run_backward);
+}
+
+int decode_main(int argc, char** argv, const DecodeChapter& chapter) {
+  return chapter_main(argc, argv, ChapterKind::kDecode, chapter, require_decode_fits,
+                      [](const DecodeChapter& c, const RunOptions& options) {
+                        if (options.deterministic)
+                          throw InvalidInput(
+                              "--deterministic is an option of backward chapters: a decode "
+                              "chapter gives the same bits on every run already.");
+                        return run_decode(c, options);
+                      });
 }
 
 }  // namespace attn

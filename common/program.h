@@ -1,4 +1,4 @@
-// The whole program of a chapter binary, forward or backward: parse the command line, run, print
+// The whole program of a chapter binary, of any kind: parse the command line, run, print
 // the report, and turn what happened into an exit status.
 #pragma once
 
@@ -17,5 +17,6 @@ enum ExitCode : int {
 
 int forward_main(int argc, char** argv, const ForwardChapter& chapter);
 int backward_main(int argc, char** argv, const BackwardChapter& chapter);
+int decode_main(int argc, char** argv, const DecodeChapter& chapter);
 
 }  // namespace attn

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <type_traits>
 
@@ -444,58 +446,86 @@ size_t reference_backward_worker_bytes(const AttentionShape& shape, size_t group
   return workers * per_worker + groups * shape.group_size() * shape.seqlen_q * per_row;
 }
 
-namespace {
-
-// Shared by the two decode references: `gather(b, kv_head, k_rows, v_rows)` fills the first
-// seqlens_k[b] rows of one sequence's keys and values.
-template <typename Gather>
-DecodeReference decode_with(const DecodeShape& shape, const std::vector<float>& q,
-                            Gather&& gather) {
-  const int d = shape.head_dim, group = shape.heads_q / shape.heads_kv;
-  const double scale = shape.scale != 0.0f ? shape.scale : 1.0 / std::sqrt(double(d));
+DecodeReference reference_decode(const DecodeShape& shape,
+                                 const std::vector<DecodeGroupInputs>& groups,
+                                 RefPrecision precision) {
+  const int sq = shape.seqlen_q, d = shape.head_dim, group_size = shape.group_size();
+  const size_t group_rows = size_t(group_size) * sq;
   DecodeReference ref;
-  ref.o.assign(size_t(shape.batch) * shape.heads_q * d, 0.0);
-  ref.lse.assign(size_t(shape.batch) * shape.heads_q, 0.0);
-  parallel_for(size_t(shape.batch) * shape.heads_kv, [&](size_t task) {
-    const int b = int(task / shape.heads_kv), kv_head = int(task % shape.heads_kv);
-    const int len = shape.seqlens_k[b];
-    std::vector<float> k_rows(size_t(len) * d), v_rows(size_t(len) * d);
-    gather(b, kv_head, k_rows.data(), v_rows.data());
-    for (int g = 0; g < group; ++g) {
-      const size_t row = size_t(b) * shape.heads_q + kv_head * group + g;
-      attend_rows(q.data() + row * d, k_rows.data(), v_rows.data(), 1, len, d, 0, 1, false, 0,
-                  scale, RefPrecision::kDouble, ref.o.data() + row * d, ref.lse.data() + row);
+  ref.o.assign(groups.size() * group_rows * d, 0.0);
+  ref.lse.assign(groups.size() * group_rows, 0.0);
+  std::vector<double> max_abs(groups.size(), 0.0);
+  parallel_for(groups.size(), [&](size_t g) {
+    const DecodeGroupInputs& in = groups[g];
+    const int sk = shape.seqlens_k[in.batch];
+    for (int head = 0; head < group_size; ++head) {
+      const size_t first_row = g * group_rows + size_t(head) * sq;
+      // The new tokens are the last seqlen_q of the sequence's sk keys: causal, bottom-right
+      // aligned, so that token i sees keys j <= i + sk - sq (none at all when sk = 0).
+      const double head_max = attend_rows(in.q + size_t(head) * sq * d, in.k, in.v, sq, sk, d, 0,
+                                          sq, true, sk - sq, shape.softmax_scale(), precision,
+                                          ref.o.data() + first_row * d, ref.lse.data() + first_row);
+      max_abs[g] = std::max(max_abs[g], head_max);
     }
   });
+  for (double m : max_abs) ref.max_abs_logit = std::max(ref.max_abs_logit, m);
   return ref;
 }
 
-}  // namespace
-
 DecodeReference reference_decode(const DecodeShape& shape, const std::vector<float>& q,
                                  const std::vector<float>& k_cache,
-                                 const std::vector<float>& v_cache) {
-  const size_t d = shape.head_dim;
-  return decode_with(shape, q, [&](int b, int kv_head, float* k_rows, float* v_rows) {
-    const size_t base = (size_t(b) * shape.heads_kv + kv_head) * shape.max_seqlen_k * d;
-    std::copy_n(k_cache.begin() + base, shape.seqlens_k[b] * d, k_rows);
-    std::copy_n(v_cache.begin() + base, shape.seqlens_k[b] * d, v_rows);
-  });
+                                 const std::vector<float>& v_cache, RefPrecision precision) {
+  // Groups in (sequence, key/value head) order: a group's query rows are contiguous in q and its
+  // keys in the cache, so nothing needs copying, and the per-group result is in q's layout.
+  const size_t q_group = size_t(shape.group_size()) * shape.seqlen_q * shape.head_dim;
+  const size_t kv_group = size_t(shape.max_seqlen_k) * shape.head_dim;
+  std::vector<DecodeGroupInputs> groups;
+  for (int b = 0; b < shape.batch; ++b)
+    for (int kv_head = 0; kv_head < shape.heads_kv; ++kv_head) {
+      const size_t g = size_t(b) * shape.heads_kv + kv_head;
+      groups.push_back({b, q.data() + g * q_group, k_cache.data() + g * kv_group,
+                        v_cache.data() + g * kv_group});
+    }
+  return reference_decode(shape, groups, precision);
 }
 
 DecodeReference reference_paged_decode(const DecodeShape& shape, const std::vector<float>& q,
                                        const std::vector<float>& k_pages,
                                        const std::vector<float>& v_pages, int page_size,
-                                       const std::vector<int>& block_table, int max_pages_per_seq) {
+                                       const std::vector<int>& block_table, int max_pages_per_seq,
+                                       RefPrecision precision) {
   const size_t d = shape.head_dim;
-  return decode_with(shape, q, [&](int b, int kv_head, float* k_rows, float* v_rows) {
-    for (int t = 0; t < shape.seqlens_k[b]; ++t) {
-      const size_t page = block_table[size_t(b) * max_pages_per_seq + t / page_size];
-      const size_t src = ((page * page_size + t % page_size) * shape.heads_kv + kv_head) * d;
-      std::copy_n(k_pages.begin() + src, d, k_rows + t * d);
-      std::copy_n(v_pages.begin() + src, d, v_rows + t * d);
+  const size_t q_group = size_t(shape.group_size()) * shape.seqlen_q * d;
+  const size_t num_pages = k_pages.size() / (size_t(page_size) * shape.heads_kv * d);
+  const size_t num_groups = size_t(shape.batch) * shape.heads_kv;
+  // Each group's keys and values gathered out of their pages into rows, as a contiguous cache
+  // would hold them; only slots that hold a token are read.
+  std::vector<std::vector<float>> k_rows(num_groups), v_rows(num_groups);
+  std::vector<DecodeGroupInputs> groups;
+  for (int b = 0; b < shape.batch; ++b) {
+    const int len = shape.seqlens_k[b];
+    for (int kv_head = 0; kv_head < shape.heads_kv; ++kv_head) {
+      const size_t g = size_t(b) * shape.heads_kv + kv_head;
+      k_rows[g].resize(size_t(len) * d);
+      v_rows[g].resize(size_t(len) * d);
+      for (int t = 0; t < len; ++t) {
+        const int slot = t / page_size;
+        const int page =
+            slot < max_pages_per_seq ? block_table[size_t(b) * max_pages_per_seq + slot] : -1;
+        if (page < 0 || size_t(page) >= num_pages) {
+          throw std::invalid_argument("the block table names no page of the pool for token " +
+                                      std::to_string(t) + " of sequence " + std::to_string(b) +
+                                      ".");
+        }
+        const size_t src =
+            ((size_t(page) * page_size + t % page_size) * shape.heads_kv + kv_head) * d;
+        std::copy_n(k_pages.begin() + src, d, k_rows[g].begin() + size_t(t) * d);
+        std::copy_n(v_pages.begin() + src, d, v_rows[g].begin() + size_t(t) * d);
+      }
+      groups.push_back({b, q.data() + g * q_group, k_rows[g].data(), v_rows[g].data()});
     }
-  });
+  }
+  return reference_decode(shape, groups, precision);
 }
 
 }  // namespace attn

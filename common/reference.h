@@ -117,27 +117,36 @@ BackwardReference reference_backward(const AttentionShape& shape, const std::vec
 // doubles per query row (softmax maximum and sum, D) that its two passes share.
 size_t reference_backward_worker_bytes(const AttentionShape& shape, size_t groups);
 
-// Decoding: one new query token per sequence against a cache of earlier keys and values.
-struct DecodeShape {
-  int batch = 1;
-  int heads_q = 1;
-  int heads_kv = 1;
-  int head_dim = 64;
-  int max_seqlen_k = 1;        // the cache's capacity per sequence
-  std::vector<int> seqlens_k;  // [batch]: how many cache entries each sequence uses (>= 0)
-  float scale = 0.0f;          // 0: 1/sqrt(head_dim)
-};
-
+// Decoding (shape.h, DecodeShape): seqlen_q new tokens per sequence, causal among themselves and
+// against the cache (bottom-right aligned), against seqlens_k[b] cached keys. Rows that see no key
+// have output 0 and lse -inf.
 struct DecodeReference {
-  std::vector<double> o;    // [batch, heads_q, head_dim]
-  std::vector<double> lse;  // [batch, heads_q]
+  std::vector<double>
+      o;  // [groups, group_size * seqlen_q, head_dim] or [batch, heads_q, seqlen_q, head_dim]
+  std::vector<double> lse;   // [groups, group_size * seqlen_q] or [batch, heads_q, seqlen_q]
+  double max_abs_logit = 0;  // largest |scale * q.k| over the keys a row sees
 };
 
-// q: [batch, heads_q, head_dim]; k, v: [batch, heads_kv, max_seqlen_k, head_dim]. Entries at or
-// past seqlens_k[b] are never read.
+// The inputs of one (sequence, key/value head) group.
+struct DecodeGroupInputs {
+  int batch;       // the sequence: it has shape.seqlens_k[batch] keys
+  const float* q;  // [group_size * seqlen_q, head_dim]: the group's query heads in order, each
+                   // seqlen_q rows (so row r is new token r % seqlen_q of query head r / seqlen_q)
+  const float* k;  // [seqlens_k[batch], head_dim]
+  const float* v;  // [seqlens_k[batch], head_dim]
+};
+
+// The groups given by their inputs alone; the runner checks a sample of groups this way.
+DecodeReference reference_decode(const DecodeShape& shape,
+                                 const std::vector<DecodeGroupInputs>& groups,
+                                 RefPrecision precision = RefPrecision::kDouble);
+
+// The whole problem: q [batch, heads_q, seqlen_q, head_dim]; k, v [batch, heads_kv, max_seqlen_k,
+// head_dim]. Entries at or past seqlens_k[b] are never read. Results in the layout of q and lse.
 DecodeReference reference_decode(const DecodeShape& shape, const std::vector<float>& q,
                                  const std::vector<float>& k_cache,
-                                 const std::vector<float>& v_cache);
+                                 const std::vector<float>& v_cache,
+                                 RefPrecision precision = RefPrecision::kDouble);
 
 // The same, with keys and values in a pool of pages: k_pages, v_pages are
 // [num_pages, page_size, heads_kv, head_dim]; block_table is [batch, max_pages_per_seq] and names
@@ -145,6 +154,7 @@ DecodeReference reference_decode(const DecodeShape& shape, const std::vector<flo
 DecodeReference reference_paged_decode(const DecodeShape& shape, const std::vector<float>& q,
                                        const std::vector<float>& k_pages,
                                        const std::vector<float>& v_pages, int page_size,
-                                       const std::vector<int>& block_table, int max_pages_per_seq);
+                                       const std::vector<int>& block_table, int max_pages_per_seq,
+                                       RefPrecision precision = RefPrecision::kDouble);
 
 }  // namespace attn

@@ -1,5 +1,6 @@
 #include "report.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 
@@ -20,10 +21,27 @@ std::string display_name(const std::string& name) {
   return text;
 }
 
+// A decode run's cache: its layout and size, and for pages what a contiguous cache would take.
+void print_decode_cache(const DecodeFacts& f) {
+  if (f.page_size == 0) {
+    std::printf("cache   contiguous, room for %d tokens per sequence: %s\n", f.shape.max_seqlen_k,
+                megabytes(f.cache_bytes).c_str());
+    return;
+  }
+  std::printf(
+      "cache   pages of %d tokens: %s; a contiguous cache with room for the longest "
+      "sequence: %s\n",
+      f.page_size, megabytes(f.cache_bytes).c_str(), megabytes(f.contiguous_cache_bytes).c_str());
+}
+
 void print_text(const RunReport& r) {
-  std::printf("device  %s\n", r.device.c_str());
-  std::printf("shape   %s, %s\n", r.shape.describe().c_str(), dtype_name(r.dtype));
   const bool backward = r.kind == ChapterKind::kBackward;
+  const bool decode = r.kind == ChapterKind::kDecode;
+  std::printf("device  %s\n", r.device.c_str());
+  std::printf("shape   %s, %s\n",
+              decode ? r.decode.shape.describe().c_str() : r.shape.describe().c_str(),
+              dtype_name(r.dtype));
+  if (decode) print_decode_cache(r.decode);
   if (backward)
     std::printf("mode    %s\n", r.deterministic ? "deterministic dQ (a separate pass, no atomics)"
                                                 : "dQ summed with atomics");
@@ -35,7 +53,10 @@ void print_text(const RunReport& r) {
   std::printf("\n");
   if (r.checked) {
     std::printf("check   %zu of %zu %s against the Eigen reference (double)%s\n", r.heads_checked,
-                r.heads_total, backward ? "(batch, key/value head) groups" : "(batch, head) pairs",
+                r.heads_total,
+                backward ? "(batch, key/value head) groups"
+                : decode ? "(sequence, key/value head) groups"
+                         : "(batch, head) pairs",
                 r.heads_checked < r.heads_total
                     ? ": the first, the last, and a seeded random sample (--check-all for all)"
                     : "");
@@ -56,7 +77,14 @@ void print_text(const RunReport& r) {
   } else {
     std::printf("check   skipped (--no-check)\n");
   }
-  if (r.timed) {
+  if (r.timed && decode) {
+    std::printf("time    %.4f ms median of %d launches (min %.4f, max %.4f)\n", r.timing.median_ms,
+                r.timing.iters, r.timing.min_ms, r.timing.max_ms);
+    std::printf(
+        "        K and V read at %.0f GB/s = %.2f of this GPU's copy bandwidth (%.0f GB/s "
+        "read + written, measured now)\n",
+        r.decode.kv_gbps, r.decode.kv_gbps / r.decode.copy_gbps, r.decode.copy_gbps);
+  } else if (r.timed) {
     std::printf("time    %.4f ms median of %d launches (min %.4f, max %.4f) = %.2f TFLOP/s%s\n",
                 r.timing.median_ms, r.timing.iters, r.timing.min_ms, r.timing.max_ms, r.tflops,
                 backward ? " (2.5x the forward's FLOPs)" : "");
@@ -103,8 +131,64 @@ void print_backward_json(const RunReport& r) {
       r.device.c_str());
 }
 
+// Decode records: the lengths summarised, the layout, and bandwidth instead of FLOP/s.
+struct LengthSummary {
+  int shortest = 0, longest = 0;
+  double mean = 0;
+};
+LengthSummary summarise(const DecodeShape& shape) {
+  LengthSummary s;
+  if (shape.seqlens_k.empty()) return s;
+  s.shortest = *std::min_element(shape.seqlens_k.begin(), shape.seqlens_k.end());
+  s.longest = shape.longest_seqlen_k();
+  s.mean = double(shape.total_seqlen_k()) / shape.batch;
+  return s;
+}
+
+double copy_fraction(const DecodeFacts& f) { return f.copy_gbps > 0 ? f.kv_gbps / f.copy_gbps : 0; }
+
+void print_decode_csv(const RunReport& r) {
+  const DecodeFacts& f = r.decode;
+  const LengthSummary len = summarise(f.shape);
+  const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
+  std::printf(
+      "chapter,dtype,batch,heads_q,heads_kv,seqlen_q,seqlen_k_min,seqlen_k_max,seqlen_k_mean,"
+      "head_dim,page_size,checked,passed,o_max_abs_err,o_rel_err,lse_max_abs_err,median_ms,"
+      "kv_gbps,copy_gbps,copy_fraction,device_bytes,workspace_bytes,device\n");
+  std::printf(
+      "%s,%s,%d,%d,%d,%d,%d,%d,%.1f,%d,%d,%d,%d,%.4g,%.4g,%.4g,%.5f,%.1f,%.1f,%.4f,%zu,%zu,"
+      "\"%s\"\n",
+      r.chapter.c_str(), dtype_name(r.dtype), f.shape.batch, f.shape.heads_q, f.shape.heads_kv,
+      f.shape.seqlen_q, len.shortest, len.longest, len.mean, f.shape.head_dim, f.page_size,
+      int(r.checked), int(r.passed), o.max_abs_err, o.rel_err, lse.max_abs_err, r.timing.median_ms,
+      f.kv_gbps, f.copy_gbps, copy_fraction(f), r.io_bytes + r.workspace_bytes, r.workspace_bytes,
+      r.device.c_str());
+}
+
+void print_decode_json(const RunReport& r) {
+  const DecodeFacts& f = r.decode;
+  const LengthSummary len = summarise(f.shape);
+  const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
+  std::printf(
+      "{\"chapter\": \"%s\", \"kind\": \"decode\", \"dtype\": \"%s\", \"batch\": %d, "
+      "\"heads_q\": %d, \"heads_kv\": %d, \"seqlen_q\": %d, \"seqlen_k_min\": %d, "
+      "\"seqlen_k_max\": %d, \"seqlen_k_mean\": %.1f, \"head_dim\": %d, \"page_size\": %d, "
+      "\"checked\": %s, \"passed\": %s, \"groups_checked\": %zu, \"o_max_abs_err\": %.6g, "
+      "\"o_rel_err\": %.6g, \"lse_max_abs_err\": %.6g, \"median_ms\": %.6f, \"kv_gbps\": %.2f, "
+      "\"copy_gbps\": %.2f, \"copy_fraction\": %.4f, \"cache_bytes\": %zu, "
+      "\"contiguous_cache_bytes\": %zu, \"device_bytes\": %zu, \"workspace_bytes\": %zu, "
+      "\"device\": \"%s\"}\n",
+      r.chapter.c_str(), dtype_name(r.dtype), f.shape.batch, f.shape.heads_q, f.shape.heads_kv,
+      f.shape.seqlen_q, len.shortest, len.longest, len.mean, f.shape.head_dim, f.page_size,
+      r.checked ? "true" : "false", r.passed ? "true" : "false", r.heads_checked, o.max_abs_err,
+      o.rel_err, lse.max_abs_err, r.timing.median_ms, f.kv_gbps, f.copy_gbps, copy_fraction(f),
+      f.cache_bytes, f.contiguous_cache_bytes, r.io_bytes + r.workspace_bytes, r.workspace_bytes,
+      r.device.c_str());
+}
+
 void print_csv(const RunReport& r) {
   if (r.kind == ChapterKind::kBackward) return print_backward_csv(r);
+  if (r.kind == ChapterKind::kDecode) return print_decode_csv(r);
   const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
   std::printf(
       "chapter,dtype,batch,heads_q,heads_kv,seqlen_q,seqlen_k,head_dim,causal,checked,passed,"
@@ -120,6 +204,7 @@ void print_csv(const RunReport& r) {
 
 void print_json(const RunReport& r) {
   if (r.kind == ChapterKind::kBackward) return print_backward_json(r);
+  if (r.kind == ChapterKind::kDecode) return print_decode_json(r);
   const Comparison &o = r.comparison("o"), &lse = r.comparison("lse");
   std::printf(
       "{\"chapter\": \"%s\", \"dtype\": \"%s\", \"batch\": %d, \"heads_q\": %d, \"heads_kv\": %d, "

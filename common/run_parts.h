@@ -18,6 +18,8 @@ struct RunFootprint {
   std::string io_what;  // the device tensors, e.g. "Q, K, V, O, LSE"
   size_t io_bytes = 0;
   size_t workspace_bytes = 0;
+  std::string timing_what;  // device memory the timing needs besides the L2 flush buffer
+  size_t timing_bytes = 0;
   size_t largest_input_elements = 0;  // uploaded in pieces (host_data.h)
   std::string check_what;             // e.g. "check of 5 heads"
   size_t check_bytes = 0;

@@ -30,6 +30,7 @@ void require_fits(const RunFootprint& footprint, const RunOptions& options) {
   device_need.add("workspace", footprint.workspace_bytes);
   if (options.bench && options.timing.flush_l2)
     device_need.add("L2 flush buffer", l2_flush_bytes());
+  if (options.bench) device_need.add(footprint.timing_what, footprint.timing_bytes);
   require_device_memory(device_need);
   MemoryNeed host_need;
   host_need.add("input pieces", input_piece_host_bytes(footprint.largest_input_elements));

@@ -1,7 +1,7 @@
 // Running one chapter: make inputs, run the chapter's launch function, check the outputs against
 // the CPU reference, time it, and fill a report. One run_<kind> per kind of chapter (forward,
-// backward), sharing the options and the report. A chapter binary (program.h) and a chapter test
-// call the same function. Printing a report: report.h.
+// backward, decode), sharing the options and the report. A chapter binary (program.h) and a chapter
+// test call the same function. Printing a report: report.h.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +27,13 @@ struct RunOptions {
   TimingOptions timing;
   std::string save_dir;        // if set, write every input and output there as .npy
   bool deterministic = false;  // backward chapters with a deterministic mode: use it
+  // Decode chapters. shape.seqlen_q is the new tokens per sequence and shape.seqlen_k the cache
+  // length of every sequence, unless seqlens_k says otherwise: "" (all shape.seqlen_k), a list
+  // "100,7,3000" (one per sequence), or "uniform:LO:HI" (drawn from the seed). The contiguous
+  // cache has room for the longest (decode_shape below).
+  std::string seqlens_k;
+  int page_size = 16;             // paged chapters: tokens per page
+  bool random_page_order = true;  // paged: the pool's free list starts shuffled (seeded)
 };
 
 // Bad options or a shape the chapter does not support; the message is one sentence.
@@ -42,7 +49,19 @@ struct OutputCheck {
   uint64_t checksum = 0;  // of the compared values' bits: equal checksums, equal outputs
 };
 
-enum class ChapterKind { kForward, kBackward };
+enum class ChapterKind { kForward, kBackward, kDecode };
+
+// What a decode run read and how fast: K and V bytes per second, beside the device-to-device copy
+// bandwidth of this GPU measured in the same process (bytes read + written per second).
+struct DecodeFacts {
+  DecodeShape shape;
+  int page_size = 0;                  // 0: contiguous cache
+  double kv_bytes = 0;                // K and V bytes a step reads (shape.h, decode_kv_bytes)
+  double kv_gbps = 0;                 // kv_bytes / median time, in GB/s
+  double copy_gbps = 0;               // cudaMemcpy device to device, read + written, GB/s
+  size_t cache_bytes = 0;             // the K and V cache as allocated (paged: the pool)
+  size_t contiguous_cache_bytes = 0;  // a contiguous cache with room for the longest sequence
+};
 
 struct RunReport {
   std::string chapter;
@@ -57,8 +76,8 @@ struct RunReport {
   std::string workspace_what;
   // Check.
   bool checked = false;
-  // Forward: (batch, query head) pairs. Backward: (batch, key/value head) groups, each with the
-  // query heads that read it.
+  // Forward: (batch, query head) pairs. Backward and decode: (batch, key/value head) groups, each
+  // with the query heads that read it.
   size_t heads_checked = 0, heads_total = 0;
   double max_abs_logit = 0;
   std::vector<OutputCheck> outputs;  // in the order they are printed
@@ -66,7 +85,8 @@ struct RunReport {
   // Time.
   bool timed = false;
   Timing timing;
-  double tflops = 0;  // backward: 2.5x the forward FLOPs
+  double tflops = 0;   // backward: 2.5x the forward FLOPs; decode: 0 (see decode)
+  DecodeFacts decode;  // decode runs only
 
   // The output called `name`; a default (empty, passed) one when it was not checked.
   const Comparison& comparison(const std::string& name) const;
@@ -91,5 +111,19 @@ namespace attn {
 // InvalidInput for --deterministic on a chapter without that mode.
 void require_backward_fits(const BackwardChapter& chapter, const RunOptions& options);
 RunReport run_backward(const BackwardChapter& chapter, const RunOptions& options);
+
+}  // namespace attn
+
+namespace attn {
+
+// The decode kind: the lengths of options.seqlens_k resolved (throws InvalidInput with one
+// sentence for a bad list or a bad spread), and the cache's room.
+DecodeShape decode_shape(const RunOptions& options);
+// Makes q and the cache (contiguous, or paged through a PageAllocator with options.page_size:
+// page_allocator.h), fills every cache slot past a sequence's length with NaN, poisons o and lse,
+// launches, checks o and lse against the Eigen reference on a sample of (sequence, key/value head)
+// groups, and times with the L2 flushed (as options.timing says) beside the copy bandwidth.
+void require_decode_fits(const DecodeChapter& chapter, const RunOptions& options);
+RunReport run_decode(const DecodeChapter& chapter, const RunOptions& options);
 
 }  // namespace attn

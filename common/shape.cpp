@@ -1,6 +1,8 @@
 #include "shape.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <sstream>
 
 namespace attn {
@@ -72,6 +74,58 @@ std::string validate(const AttentionShape& shape, const std::vector<int>& suppor
     return why.str();
   }
   return "";
+}
+
+float DecodeShape::softmax_scale() const {
+  return scale != 0.0f ? scale : 1.0f / std::sqrt(float(head_dim));
+}
+
+int DecodeShape::longest_seqlen_k() const {
+  return seqlens_k.empty() ? 0 : *std::max_element(seqlens_k.begin(), seqlens_k.end());
+}
+
+int64_t DecodeShape::total_seqlen_k() const {
+  return std::accumulate(seqlens_k.begin(), seqlens_k.end(), int64_t(0));
+}
+
+std::string DecodeShape::describe() const {
+  std::ostringstream s;
+  s << "batch " << batch << ", heads " << heads_q << " (kv " << heads_kv << "), new tokens "
+    << seqlen_q << ", cached keys ";
+  const int shortest =
+      seqlens_k.empty() ? 0 : *std::min_element(seqlens_k.begin(), seqlens_k.end());
+  if (shortest == longest_seqlen_k()) s << shortest;
+  else
+    s << shortest << " to " << longest_seqlen_k() << " (mean "
+      << total_seqlen_k() / std::max(1, batch) << ")";
+  s << ", head_dim " << head_dim << ", scale " << softmax_scale();
+  return s.str();
+}
+
+double decode_kv_bytes(const DecodeShape& shape, int element_bytes) {
+  return 2.0 * double(shape.total_seqlen_k()) * shape.heads_kv * shape.head_dim * element_bytes;
+}
+
+std::string validate(const DecodeShape& shape, const std::vector<int>& supported_head_dims) {
+  AttentionShape as_attention =
+      make_shape(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q,
+                 std::max(1, shape.max_seqlen_k), shape.head_dim);
+  as_attention.scale = shape.scale;
+  if (std::string why = validate(as_attention, supported_head_dims); !why.empty()) return why;
+  std::ostringstream why;
+  if (shape.seqlen_q > kMaxDecodeQueries) {
+    why << "a decode step takes 1 to " << kMaxDecodeQueries << " new tokens per sequence (got "
+        << shape.seqlen_q << ").";
+  } else if (int(shape.seqlens_k.size()) != shape.batch) {
+    why << "there must be one cache length per sequence (" << shape.batch << "), got "
+        << shape.seqlens_k.size() << ".";
+  } else {
+    for (int b = 0; b < shape.batch && why.str().empty(); ++b)
+      if (shape.seqlens_k[b] < 0 || shape.seqlens_k[b] > shape.max_seqlen_k)
+        why << "sequence " << b << " has " << shape.seqlens_k[b]
+            << " cached keys, outside 0 to the cache's room of " << shape.max_seqlen_k << ".";
+  }
+  return why.str();
 }
 
 }  // namespace attn

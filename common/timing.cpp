@@ -55,4 +55,19 @@ Timing time_launches(const std::function<void(cudaStream_t)>& launch,
   return t;
 }
 
+double copy_bandwidth_gbps() {
+  DeviceBuffer<unsigned char> from(kCopyBandwidthBytes), to(kCopyBandwidthBytes);
+  CUDA_CHECK(cudaMemset(from.get(), 0, from.bytes()));
+  TimingOptions options;
+  options.warmup = 3;
+  options.iters = 21;
+  const Timing t = time_launches(
+      [&](cudaStream_t stream) {
+        CUDA_CHECK(cudaMemcpyAsync(to.get(), from.get(), kCopyBandwidthBytes,
+                                   cudaMemcpyDeviceToDevice, stream));
+      },
+      options);
+  return 2.0 * kCopyBandwidthBytes / (t.median_ms * 1e-3) / 1e9;
+}
+
 }  // namespace attn

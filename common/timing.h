@@ -28,4 +28,11 @@ size_t l2_flush_bytes();
 
 Timing time_launches(const std::function<void(cudaStream_t)>& launch, const TimingOptions& options);
 
+// The bytes copy_bandwidth_gbps copies (and the two buffers it allocates hold each).
+constexpr size_t kCopyBandwidthBytes = size_t(512) << 20;
+// This GPU's device-to-device copy bandwidth in GB/s, bytes read plus bytes written per second:
+// the median of cudaMemcpyAsync over kCopyBandwidthBytes, far larger than the L2 cache. What a
+// kernel that only streams memory can hope for, measured rather than taken from the datasheet.
+double copy_bandwidth_gbps();
+
 }  // namespace attn

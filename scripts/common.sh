@@ -55,3 +55,14 @@ require_gpu() {
     exit 3
   fi
 }
+
+# True when the chapter (its folder name) is a decode chapter: CMakeLists.txt adds it with
+# add_decode_chapter. Decode chapters take other shapes (a few new tokens against a KV cache).
+is_decode_chapter() {
+  grep -q "^add_decode_chapter($1)" CMakeLists.txt
+}
+
+# True when the built decode chapter reads a paged cache: its --help lists --page-size.
+is_paged_chapter() {
+  [[ "$(build/bin/"$1" --help)" == *--page-size* ]]
+}

@@ -39,8 +39,12 @@ def main():
             raise SystemExit(f"tables.py: {path} not found: make the grid with scripts/ladder --grid "
                              "and the comparison with scripts/compare_sdpa.py first")
 
+    records = load(args.grid_csv)
+    if records and "kv_gbps" in records[0]:
+        raise SystemExit(f"tables.py: {args.grid_csv} holds decode records; their tables are the "
+                         "ones scripts/compare_sdpa.py prints")
     grid = {(r["chapter"], int(r["head_dim"]), int(r["seqlen_q"]), int(r["causal"])): r
-            for r in load(args.grid_csv)}
+            for r in records}
     rows = load(args.comparison_csv)
     for r in rows:
         for key in ("head_dim", "seqlen", "batch", "heads", "causal"):

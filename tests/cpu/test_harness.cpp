@@ -19,6 +19,7 @@
 #include "memory_plan.h"
 #include "npy.h"
 #include "online_softmax.h"
+#include "runner.h"
 #include "shape.h"
 
 using namespace attn;
@@ -224,6 +225,75 @@ TEST_CASE("command line") {
   CHECK(parse_cli({"--deterministic"}).run.deterministic);
 }
 
+TEST_CASE("decode command line: its defaults, the lengths, the pages and the L2 flush") {
+  CliOptions c = parse_cli({}, ChapterKind::kDecode);
+  CHECK(c.run.shape.batch == default_decode_shape().batch);
+  CHECK(c.run.shape.heads_kv == default_decode_shape().heads_kv);  // GQA by default
+  CHECK(c.run.shape.heads_kv < c.run.shape.heads_q);
+  CHECK(c.run.timing.flush_l2);  // decode is timed with a cold L2, forward without a flush
+  CHECK_FALSE(parse_cli({}).run.timing.flush_l2);
+  CHECK_FALSE(parse_cli({"--no-flush-l2"}, ChapterKind::kDecode).run.timing.flush_l2);
+  c = parse_cli(
+      {"--heads", "16", "--seqlens-k", "5,7", "--page-size", "64", "--page-order", "in-order"},
+      ChapterKind::kDecode);
+  CHECK(c.run.shape.heads_kv == 16);  // --heads alone: multi-head
+  CHECK(c.run.seqlens_k == "5,7");
+  CHECK(c.run.page_size == 64);
+  CHECK_FALSE(c.run.random_page_order);
+  CHECK(parse_cli({}, ChapterKind::kDecode).run.random_page_order);
+  CHECK_THROWS_AS(parse_cli({"--page-order", "sorted"}, ChapterKind::kDecode), InvalidInput);
+  CHECK_THROWS_AS(parse_cli({"--page-size", "0"}, ChapterKind::kDecode), InvalidInput);
+}
+
+TEST_CASE("decode lengths: every sequence the same, a list, or a seeded spread") {
+  RunOptions options;
+  options.shape = make_shape(3, 8, 2, 2, 100, 128);
+  DecodeShape d = decode_shape(options);
+  CHECK(d.seqlens_k == std::vector<int>{100, 100, 100});
+  CHECK(d.max_seqlen_k == 100);
+  options.seqlens_k = "0,70000,33";
+  d = decode_shape(options);
+  CHECK(d.seqlens_k == std::vector<int>{0, 70000, 33});
+  CHECK(d.max_seqlen_k == 70000);  // the contiguous cache has room for the longest
+  CHECK(d.total_seqlen_k() == 70033);
+  CHECK(decode_kv_bytes(d, 2) == 2.0 * 70033 * 2 * 128 * 2);
+  CHECK(validate(d, {64, 128}).empty());
+  for (const char* bad : {"1,2", "1,2,3,4", "1,-2,3", "1,x,3", "uniform:5:2", "uniform:1", ""}) {
+    INFO(bad);
+    options.seqlens_k = bad;
+    if (std::string(bad).empty()) continue;  // "" means every sequence shape.seqlen_k
+    CHECK_THROWS_AS(decode_shape(options), InvalidInput);
+  }
+  options.shape.batch = 1000;
+  options.seqlens_k = "uniform:10:20";
+  const DecodeShape spread = decode_shape(options);
+  CHECK(*std::min_element(spread.seqlens_k.begin(), spread.seqlens_k.end()) == 10);
+  CHECK(*std::max_element(spread.seqlens_k.begin(), spread.seqlens_k.end()) == 20);
+  CHECK(decode_shape(options).seqlens_k == spread.seqlens_k);  // the same for the same seed
+  options.seed += 1;
+  CHECK(decode_shape(options).seqlens_k != spread.seqlens_k);
+}
+
+TEST_CASE("decode shapes the chapters cannot run are refused with a sentence") {
+  RunOptions options;
+  options.shape = make_shape(2, 8, 2, 1, 100, 128);
+  DecodeShape d = decode_shape(options);
+  CHECK(validate(d, {64, 128}).empty());
+  d.seqlen_q = kMaxDecodeQueries + 1;
+  CHECK(validate(d, {64, 128}).find("new tokens") != std::string::npos);
+  d = decode_shape(options);
+  d.seqlens_k[1] = 101;  // past the cache's room
+  CHECK(validate(d, {64, 128}).find("room") != std::string::npos);
+  d = decode_shape(options);
+  d.seqlens_k.pop_back();
+  CHECK(validate(d, {64, 128}).find("one cache length per sequence") != std::string::npos);
+  d = decode_shape(options);
+  d.heads_kv = 3;
+  CHECK(validate(d, {64, 128}).find("multiple") != std::string::npos);
+  d = decode_shape(options);
+  CHECK(validate(d, {64}).find("head_dim 128") != std::string::npos);
+}
+
 TEST_CASE("--help of each kind lists its own options") {
   const std::vector<int> dims = {64, 128};
   ForwardChapter forward{"99_forward", "a forward step", DType::kBF16, dims,   80,
@@ -240,6 +310,17 @@ TEST_CASE("--help of each kind lists its own options") {
   CHECK(atomic_help.find("--deterministic") == std::string::npos);
   CHECK(deterministic_help.find("--deterministic") != std::string::npos);
   CHECK(deterministic_help.find("dq, dk, dv") != std::string::npos);
+  DecodeChapter decode{"99_decode", "a decode step", DType::kBF16, dims,   80,
+                       false,       nullptr,         "",           nullptr};
+  const std::string contiguous_help = usage(decode);
+  decode.paged = true;
+  const std::string paged_help = usage(decode);
+  CHECK(contiguous_help.find("--seqlens-k") != std::string::npos);
+  CHECK(contiguous_help.find("--no-flush-l2") != std::string::npos);
+  CHECK(contiguous_help.find("--causal") == std::string::npos);  // decode is always causal
+  CHECK(contiguous_help.find("--page-size") == std::string::npos);
+  CHECK(paged_help.find("--page-size") != std::string::npos);
+  CHECK(paged_help.find("--page-order") != std::string::npos);
 }
 
 TEST_CASE("bf16 rounding is round-to-nearest-even on the 8th mantissa bit") {

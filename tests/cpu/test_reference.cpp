@@ -8,11 +8,13 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "host_data.h"
+#include "page_allocator.h"
 #include "reference.h"
 
 using namespace attn;
@@ -447,94 +449,238 @@ TEST_CASE("the backward reference's memory follows its workers, not seqlen_q x s
   CHECK(reference_backward_worker_bytes(long_seq, 0) == 0);
 }
 
-TEST_CASE("decode reference equals the forward reference with one query row") {
+namespace {
+
+DecodeShape decode_shape(int heads_q, int heads_kv, int seqlen_q, int head_dim,
+                         const std::vector<int>& seqlens_k, int max_seqlen_k) {
   DecodeShape d;
-  d.batch = 4;
-  d.heads_q = 4;
-  d.heads_kv = 2;
-  d.head_dim = 16;
-  d.max_seqlen_k = 40;
-  d.seqlens_k = {40, 1, 0, 23};  // full, one token, empty, partial
-  auto q = random_values(size_t(d.batch) * d.heads_q * d.head_dim, 8, 0);
-  const size_t cache = size_t(d.batch) * d.heads_kv * d.max_seqlen_k * d.head_dim;
-  auto k = random_values(cache, 8, 1), v = random_values(cache, 8, 2);
-  // Poison what lies past each sequence's length: a read of it would make NaN.
-  for (int b = 0; b < d.batch; ++b)
-    for (int h = 0; h < d.heads_kv; ++h)
-      for (int t = d.seqlens_k[b]; t < d.max_seqlen_k; ++t)
-        for (int c = 0; c < d.head_dim; ++c) {
-          const size_t at = ((size_t(b) * d.heads_kv + h) * d.max_seqlen_k + t) * d.head_dim + c;
-          k[at] = v[at] = std::numeric_limits<float>::quiet_NaN();
-        }
-  const DecodeReference dec = reference_decode(d, q, k, v);
-  for (int b = 0; b < d.batch; ++b) {
+  d.batch = int(seqlens_k.size());
+  d.heads_q = heads_q;
+  d.heads_kv = heads_kv;
+  d.seqlen_q = seqlen_q;
+  d.head_dim = head_dim;
+  d.seqlens_k = seqlens_k;
+  d.max_seqlen_k = max_seqlen_k;
+  return d;
+}
+
+// A decode problem with a contiguous cache whose slots past each sequence's length hold NaN, so a
+// reference that reads one shows it in its output.
+struct DecodeProblem {
+  DecodeShape shape;
+  std::vector<float> q, k, v;
+
+  DecodeProblem(const DecodeShape& s, uint64_t seed) : shape(s) {
+    q = random_values(s.q_elements(), seed, 0);
+    k = random_values(s.cache_elements(), seed, 1);
+    v = random_values(s.cache_elements(), seed, 2);
+    for (int b = 0; b < s.batch; ++b)
+      for (int h = 0; h < s.heads_kv; ++h)
+        for (int t = s.seqlens_k[b]; t < s.max_seqlen_k; ++t)
+          for (int c = 0; c < s.head_dim; ++c)
+            k[cache_at(b, h, t) + c] = v[cache_at(b, h, t) + c] =
+                std::numeric_limits<float>::quiet_NaN();
+  }
+
+  // Where token t of sequence b, key/value head h, starts in the contiguous cache.
+  size_t cache_at(int b, int h, int t) const {
+    return ((size_t(b) * shape.heads_kv + h) * shape.max_seqlen_k + t) * shape.head_dim;
+  }
+  size_t q_per_sequence() const { return size_t(shape.heads_q) * shape.seqlen_q * shape.head_dim; }
+
+  // Sequence b alone as a forward problem: batch 1, its seqlen_q new tokens against its
+  // seqlens_k[b] keys, causal (bottom-right aligned, as decode is), or not when asked.
+  ForwardReference forward_of(int b, bool causal = true) const {
+    const int len = shape.seqlens_k[b];
+    const AttentionShape s =
+        make_shape(1, shape.heads_q, shape.heads_kv, shape.seqlen_q, len, shape.head_dim, causal);
+    std::vector<float> qb(q.begin() + b * q_per_sequence(), q.begin() + (b + 1) * q_per_sequence());
+    std::vector<float> kb, vb;
+    for (int h = 0; h < shape.heads_kv; ++h) {
+      kb.insert(kb.end(), k.begin() + cache_at(b, h, 0), k.begin() + cache_at(b, h, len));
+      vb.insert(vb.end(), v.begin() + cache_at(b, h, 0), v.begin() + cache_at(b, h, len));
+    }
+    return reference_forward(s, qb, kb, vb, all_heads(s));
+  }
+};
+
+// The rows of sequence b in a decode result laid out like q.
+std::vector<double> sequence_rows(const std::vector<double>& x, int b, size_t per_sequence) {
+  return std::vector<double>(x.begin() + b * per_sequence, x.begin() + (b + 1) * per_sequence);
+}
+
+// Checks every sequence of a whole-tensor decode result against the forward reference of that
+// sequence alone, and that each row that sees no key (new token i of a sequence of length L sees
+// none when i + L - seqlen_q < 0) has o = 0 and lse -inf. Returns how many such rows there were.
+int check_decode_against_forward(const DecodeProblem& p, const DecodeReference& dec) {
+  const DecodeShape& s = p.shape;
+  const size_t lse_per_sequence = size_t(s.heads_q) * s.seqlen_q;
+  REQUIRE(dec.o.size() == size_t(s.q_elements()));
+  REQUIRE(dec.lse.size() == size_t(s.lse_elements()));
+  int blind_rows = 0;
+  double max_abs_logit = 0;
+  for (int b = 0; b < s.batch; ++b) {
     CAPTURE(b);
-    const int len = d.seqlens_k[b];
-    if (len == 0) {
-      for (int h = 0; h < d.heads_q; ++h) CHECK(dec.lse[size_t(b) * d.heads_q + h] == kNegInf);
+    const int len = s.seqlens_k[b];
+    const std::vector<double> o = sequence_rows(dec.o, b, p.q_per_sequence());
+    const std::vector<double> lse = sequence_rows(dec.lse, b, lse_per_sequence);
+    for (int h = 0; h < s.heads_q; ++h)
+      for (int i = 0; i < s.seqlen_q; ++i) {
+        const size_t row = size_t(h) * s.seqlen_q + i;
+        if (i + len - s.seqlen_q >= 0) {
+          CHECK(std::isfinite(lse[row]));
+          continue;
+        }
+        ++blind_rows;
+        CHECK(lse[row] == kNegInf);
+        for (int c = 0; c < s.head_dim; ++c) CHECK(o[row * s.head_dim + c] == 0.0);
+      }
+    if (len == 0) continue;  // nothing to compare with: a forward problem needs keys
+    const ForwardReference f = p.forward_of(b);
+    CHECK(max_abs_diff(o, f.o) < 1e-12);
+    CHECK(max_abs_diff(lse, f.lse) < 1e-12);
+    max_abs_logit = std::max(max_abs_logit, f.max_abs_logit);
+  }
+  CHECK(dec.max_abs_logit == doctest::Approx(max_abs_logit).epsilon(1e-12));
+  return blind_rows;
+}
+
+}  // namespace
+
+TEST_CASE("decode with one new token equals the non-causal forward reference with one query row") {
+  // One new token sees its whole sequence, so the causal mask has nothing to hide.
+  const DecodeProblem p(decode_shape(4, 2, 1, 16, {40, 1, 0, 23}, 40), 8);
+  const DecodeReference dec = reference_decode(p.shape, p.q, p.k, p.v);
+  for (int b = 0; b < p.shape.batch; ++b) {
+    CAPTURE(b);
+    const std::vector<double> lse = sequence_rows(dec.lse, b, p.shape.heads_q);
+    if (p.shape.seqlens_k[b] == 0) {
+      for (double x : lse) CHECK(x == kNegInf);
+      for (double x : sequence_rows(dec.o, b, p.q_per_sequence())) CHECK(x == 0.0);
       continue;
     }
-    // The same sequence as a forward problem of batch 1 with seqlen_q = 1.
-    AttentionShape s = make_shape(1, d.heads_q, d.heads_kv, 1, len, d.head_dim, false);
-    std::vector<float> qb(q.begin() + size_t(b) * d.heads_q * d.head_dim,
-                          q.begin() + size_t(b + 1) * d.heads_q * d.head_dim);
-    std::vector<float> kb, vb;
-    for (int h = 0; h < d.heads_kv; ++h) {
-      const size_t at = (size_t(b) * d.heads_kv + h) * d.max_seqlen_k * d.head_dim;
-      kb.insert(kb.end(), k.begin() + at, k.begin() + at + size_t(len) * d.head_dim);
-      vb.insert(vb.end(), v.begin() + at, v.begin() + at + size_t(len) * d.head_dim);
-    }
-    const ForwardReference f = reference_forward(s, qb, kb, vb, all_heads(s));
-    for (int i = 0; i < d.heads_q * d.head_dim; ++i)
-      CHECK(dec.o[size_t(b) * d.heads_q * d.head_dim + i] ==
-            doctest::Approx(f.o[i]).epsilon(1e-12));
-    for (int h = 0; h < d.heads_q; ++h)
-      CHECK(dec.lse[size_t(b) * d.heads_q + h] == doctest::Approx(f.lse[h]).epsilon(1e-12));
+    const ForwardReference f = p.forward_of(b, false);
+    CHECK(max_abs_diff(sequence_rows(dec.o, b, p.q_per_sequence()), f.o) < 1e-12);
+    CHECK(max_abs_diff(lse, f.lse) < 1e-12);
   }
 }
 
-TEST_CASE("paged decode reference equals decode on the same tokens, and ignores unused slots") {
-  DecodeShape d;
-  d.batch = 3;
-  d.heads_q = 4;
-  d.heads_kv = 1;
-  d.head_dim = 8;
-  d.max_seqlen_k = 50;
-  d.seqlens_k = {50, 17, 3};
-  const int page_size = 16, max_pages = 4, num_pages = 12;
-  auto q = random_values(size_t(d.batch) * d.heads_q * d.head_dim, 9, 0);
-  const size_t cache = size_t(d.batch) * d.heads_kv * d.max_seqlen_k * d.head_dim;
-  auto k = random_values(cache, 9, 1), v = random_values(cache, 9, 2);
-  // Pages handed out in a scrambled order; every slot that holds no token stays NaN.
-  const size_t page_elems = size_t(page_size) * d.heads_kv * d.head_dim;
-  std::vector<float> k_pages(num_pages * page_elems, NAN), v_pages(num_pages * page_elems, NAN);
-  std::vector<int> block_table(size_t(d.batch) * max_pages, -1);
-  std::vector<int> free_pages(num_pages);
-  std::iota(free_pages.begin(), free_pages.end(), 0);
-  std::reverse(free_pages.begin(), free_pages.end());
-  std::swap(free_pages[1], free_pages[5]);
-  size_t next_page = 0;
-  for (int b = 0; b < d.batch; ++b)
-    for (int t = 0; t < d.seqlens_k[b]; ++t) {
-      int& page = block_table[size_t(b) * max_pages + t / page_size];
-      if (page < 0) page = free_pages[next_page++];
-      for (int h = 0; h < d.heads_kv; ++h)
-        for (int c = 0; c < d.head_dim; ++c) {
-          const size_t dst =
-              ((size_t(page) * page_size + t % page_size) * d.heads_kv + h) * d.head_dim + c;
-          const size_t src = ((size_t(b) * d.heads_kv + h) * d.max_seqlen_k + t) * d.head_dim + c;
-          k_pages[dst] = k[src];
-          v_pages[dst] = v[src];
-        }
-    }
-  const DecodeReference paged =
-      reference_paged_decode(d, q, k_pages, v_pages, page_size, block_table, max_pages);
-  const DecodeReference plain = reference_decode(d, q, k, v);
-  for (size_t i = 0; i < plain.o.size(); ++i) {
-    REQUIRE(std::isfinite(paged.o[i]));
-    CHECK(paged.o[i] == plain.o[i]);
+TEST_CASE("decode with several new tokens equals the causal forward reference of each sequence") {
+  // Sequences of different lengths in one batch, multi-head, GQA and multi-query, 1 to 8 new
+  // tokens; the cache has room to spare, and NaN in it past each length.
+  const DecodeShape shapes[] = {
+      decode_shape(4, 4, 3, 16, {40, 9, 23, 17}, 45), decode_shape(8, 2, 8, 16, {40, 9, 8, 70}, 80),
+      decode_shape(6, 1, 2, 8, {5, 33, 2}, 33), decode_shape(4, 2, 1, 32, {100, 3}, 128)};
+  uint64_t seed = 30;
+  for (const DecodeShape& s : shapes) {
+    CAPTURE(s.describe());
+    const DecodeProblem p(s, seed++);
+    CHECK(check_decode_against_forward(p, reference_decode(s, p.q, p.k, p.v)) == 0);
   }
-  for (size_t i = 0; i < plain.lse.size(); ++i) CHECK(paged.lse[i] == plain.lse[i]);
+}
+
+TEST_CASE("decode rows that see no key give o = 0 and lse -inf, and the others match the forward") {
+  // Five new tokens: an empty sequence (no row sees a key), two shorter than the new tokens (the
+  // first three and the first one see none), one exactly as long and one longer.
+  const DecodeProblem p(decode_shape(4, 2, 5, 16, {0, 2, 4, 5, 12}, 12), 40);
+  const DecodeReference dec = reference_decode(p.shape, p.q, p.k, p.v);
+  CHECK(check_decode_against_forward(p, dec) == p.shape.heads_q * (5 + 3 + 1));
+  for (double x : dec.o) CHECK(!std::isnan(x));
+}
+
+TEST_CASE("the per-group decode form equals the whole-tensor form") {
+  // Some groups, out of order, each from buffers of its own holding only its sequence's keys (the
+  // empty sequence's hold nothing at all), as the runner passes a sample.
+  const DecodeProblem p(decode_shape(6, 2, 4, 16, {30, 0, 3, 17}, 32), 50);
+  const DecodeShape& s = p.shape;
+  const DecodeReference whole = reference_decode(s, p.q, p.k, p.v);
+  const size_t group_rows = size_t(s.group_size()) * s.seqlen_q;
+  const std::vector<size_t> chosen = {5, 0, 2, 3, 6};  // flat (sequence, kv head) indices
+  std::vector<std::vector<float>> copies;
+  copies.reserve(3 * chosen.size());
+  auto copy = [&](const std::vector<float>& from, size_t at, size_t n) {
+    copies.emplace_back(from.begin() + at, from.begin() + at + n);
+    return copies.back().data();
+  };
+  std::vector<DecodeGroupInputs> groups;
+  for (size_t g : chosen) {
+    const int b = int(g / s.heads_kv), h = int(g % s.heads_kv);
+    const size_t keys = size_t(s.seqlens_k[b]) * s.head_dim;
+    groups.push_back({b, copy(p.q, g * group_rows * s.head_dim, group_rows * s.head_dim),
+                      copy(p.k, p.cache_at(b, h, 0), keys), copy(p.v, p.cache_at(b, h, 0), keys)});
+  }
+  const DecodeReference part = reference_decode(s, groups);
+  REQUIRE(part.o.size() == chosen.size() * group_rows * s.head_dim);
+  REQUIRE(part.lse.size() == chosen.size() * group_rows);
+  for (size_t n = 0; n < chosen.size(); ++n) {
+    CAPTURE(chosen[n]);
+    const size_t at = chosen[n] * group_rows;
+    for (size_t r = 0; r < group_rows; ++r) {
+      CHECK(part.lse[n * group_rows + r] == whole.lse[at + r]);
+      for (int c = 0; c < s.head_dim; ++c)
+        CHECK(part.o[(n * group_rows + r) * s.head_dim + c] == whole.o[(at + r) * s.head_dim + c]);
+    }
+  }
+  CHECK(part.max_abs_logit > 0);
+  CHECK(part.max_abs_logit <= whole.max_abs_logit);
+}
+
+TEST_CASE("paged decode reference equals the contiguous one, wherever the pages lie") {
+  // The pages come from a shuffled pool to sequences that grow a token at a time in turn, so each
+  // sequence's pages lie scattered and interleaved with the others'. Every slot that holds no
+  // token (past a sequence's length, and the pages nobody took) is NaN: a read of one shows.
+  const DecodeProblem p(decode_shape(4, 2, 3, 8, {50, 17, 0, 3, 33}, 50), 60);
+  const DecodeShape& s = p.shape;
+  const int page_size = 16, num_pages = 14, max_pages = 5;
+  PageAllocator pool(num_pages, page_size, 9);
+  std::vector<int> seqs;
+  for (int b = 0; b < s.batch; ++b) seqs.push_back(pool.add_sequence());
+  for (int t = 0; t < s.longest_seqlen_k(); ++t)
+    for (int b = 0; b < s.batch; ++b)
+      if (t < s.seqlens_k[b]) pool.append(seqs[b], 1);
+  REQUIRE(pool.free_pages() > 0);  // some pages stay unused, and NaN
+  CHECK(!std::is_sorted(pool.pages(seqs[0]).begin(), pool.pages(seqs[0]).end()));
+  const std::vector<int> block_table = pool.block_table(seqs, max_pages);
+  const size_t page_elements = size_t(page_size) * s.heads_kv * s.head_dim;
+  std::vector<float> k_pages(num_pages * page_elements, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> v_pages = k_pages;
+  for (int b = 0; b < s.batch; ++b)
+    for (int t = 0; t < s.seqlens_k[b]; ++t)
+      for (int h = 0; h < s.heads_kv; ++h) {
+        const size_t page = pool.pages(seqs[b])[t / page_size];
+        const size_t slot = ((page * page_size + t % page_size) * s.heads_kv + h) * s.head_dim;
+        std::copy_n(p.k.begin() + p.cache_at(b, h, t), s.head_dim, k_pages.begin() + slot);
+        std::copy_n(p.v.begin() + p.cache_at(b, h, t), s.head_dim, v_pages.begin() + slot);
+      }
+  for (RefPrecision precision : {RefPrecision::kDouble, RefPrecision::kPlainBf16}) {
+    CAPTURE(int(precision));
+    const DecodeReference paged = reference_paged_decode(s, p.q, k_pages, v_pages, page_size,
+                                                         block_table, max_pages, precision);
+    const DecodeReference contiguous = reference_decode(s, p.q, p.k, p.v, precision);
+    for (double x : paged.o) CHECK(!std::isnan(x));
+    CHECK(same_bits(paged.o, contiguous.o));
+    CHECK(same_bits(paged.lse, contiguous.lse));
+    CHECK(paged.max_abs_logit == contiguous.max_abs_logit);
+  }
+  // A block table that names no page for a token the sequence holds is refused.
+  std::vector<int> holed = block_table;
+  holed[1] = -1;  // sequence 0's second page
+  CHECK_THROWS_AS(reference_paged_decode(s, p.q, k_pages, v_pages, page_size, holed, max_pages),
+                  std::invalid_argument);
+}
+
+TEST_CASE("the plain-bf16 decode reference is close to, but not the same as, the double one") {
+  // It sets the bf16 decode chapters' tolerance, so it must be a real bf16 computation: errors of
+  // the order of bf16's 2^-8 relative step, not zero and not beyond the 1e-2 floor.
+  DecodeProblem p(decode_shape(8, 2, 4, 64, {100, 37, 64}, 100), 70);
+  round_to_bf16(p.q);
+  round_to_bf16(p.k);
+  round_to_bf16(p.v);
+  const DecodeReference exact = reference_decode(p.shape, p.q, p.k, p.v);
+  const DecodeReference plain = reference_decode(p.shape, p.q, p.k, p.v, RefPrecision::kPlainBf16);
+  const double err = relative_error(plain.o, exact.o);
+  CHECK(err > 1e-4);
+  CHECK(err < 1e-2);
 }
 
 TEST_CASE("the reference's worker memory follows its tasks, not the size of the whole problem") {
