@@ -99,6 +99,7 @@ CliOptions parse_cli(const std::vector<std::string>& args, ChapterKind kind) {
   // --heads alone means multi-head attention; neither keeps the default's heads.
   if (heads_given && !heads_kv_given) cli.run.shape.heads_kv = cli.run.shape.heads_q;
   if (!(cli.run.q_scale > 0.0f)) throw InvalidInput("--q-scale must be a positive number.");
+  if (!page_size_valid(cli.run.page_size)) throw InvalidInput(kPageSizeRule);
   return cli;
 }
 
@@ -141,7 +142,7 @@ void decode_usage(std::ostringstream& s, const UsageOf& chapter) {
     << "  --scale F        softmax scale (default 1/sqrt(head_dim))\n";
   if (chapter.paged)
     s << "Cache:\n"
-      << "  --page-size N    tokens per page (default 16)\n"
+      << "  --page-size N    tokens per page, a power of two (default 16)\n"
       << "  --page-order O   random (default: a pool that has served other sequences) or "
          "in-order\n";
 }

@@ -232,7 +232,7 @@ void require_decode_fits(const DecodeChapter& chapter, const RunOptions& options
 RunReport run_decode(const DecodeChapter& chapter, const RunOptions& options) {
   const DecodeShape shape = decode_shape(options);
   if (std::string why = validate(shape, chapter.head_dims); !why.empty()) throw InvalidInput(why);
-  if (chapter.paged && options.page_size < 1) throw InvalidInput("--page-size must be at least 1.");
+  if (chapter.paged && !page_size_valid(options.page_size)) throw InvalidInput(kPageSizeRule);
   const DType dtype = chapter.dtype;
   const RunFootprint footprint = decode_footprint(chapter, shape, options);
   require_fits(footprint, options);

@@ -32,7 +32,7 @@ struct RunOptions {
   // "100,7,3000" (one per sequence), or "uniform:LO:HI" (drawn from the seed). The contiguous
   // cache has room for the longest (decode_shape below).
   std::string seqlens_k;
-  int page_size = 16;             // paged chapters: tokens per page
+  int page_size = 16;             // paged chapters: tokens per page, a power of two
   bool random_page_order = true;  // paged: the pool's free list starts shuffled (seeded)
 };
 
@@ -115,6 +115,13 @@ RunReport run_backward(const BackwardChapter& chapter, const RunOptions& options
 }  // namespace attn
 
 namespace attn {
+
+// Page sizes are powers of two, as vLLM's and FlashInfer's usually are: a kernel then finds a
+// token's page and slot with a shift and a mask.
+inline bool page_size_valid(int page_size) {
+  return page_size >= 1 && (page_size & (page_size - 1)) == 0;
+}
+constexpr const char* kPageSizeRule = "--page-size must be a power of two (1, 2, 4, 8, ...).";
 
 // The decode kind: the lengths of options.seqlens_k resolved (throws InvalidInput with one
 // sentence for a bad list or a bad spread), and the cache's room.

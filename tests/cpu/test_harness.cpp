@@ -243,6 +243,8 @@ TEST_CASE("decode command line: its defaults, the lengths, the pages and the L2 
   CHECK(parse_cli({}, ChapterKind::kDecode).run.random_page_order);
   CHECK_THROWS_AS(parse_cli({"--page-order", "sorted"}, ChapterKind::kDecode), InvalidInput);
   CHECK_THROWS_AS(parse_cli({"--page-size", "0"}, ChapterKind::kDecode), InvalidInput);
+  CHECK_THROWS_AS(parse_cli({"--page-size", "24"}, ChapterKind::kDecode), InvalidInput);
+  CHECK(parse_cli({"--page-size", "1"}, ChapterKind::kDecode).run.page_size == 1);
 }
 
 TEST_CASE("decode lengths: every sequence the same, a list, or a seeded spread") {
