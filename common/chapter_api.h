@@ -35,6 +35,9 @@ struct ForwardChapter {
   size_t (*workspace_bytes)(const AttentionShape& shape);  // device scratch the launch needs
   const char* workspace_what;  // what the scratch holds, for the report ("" if none)
   void (*launch)(const ForwardParams& params, cudaStream_t stream);
+  // 90: built for sm_90a (wgmma, TMA): runs on compute capability 9.0 only, and everywhere else
+  // the binary says so and its tests skip. 0: runs on min_compute_capability and newer.
+  int arch_specific = 0;
 };
 
 // The backward pass: the gradients of a loss L with respect to q, k and v, given dO = dL/dO. O and
@@ -65,6 +68,9 @@ struct BackwardChapter {
   size_t (*workspace_bytes)(const AttentionShape& shape);  // enough for either mode
   const char* workspace_what;
   void (*launch)(const BackwardParams& params, cudaStream_t stream);
+  // 90: built for sm_90a (wgmma, TMA): runs on compute capability 9.0 only, and everywhere else
+  // the binary says so and its tests skip. 0: runs on min_compute_capability and newer.
+  int arch_specific = 0;
 };
 
 // Decoding: a few new query tokens per sequence against a KV cache (shape.h, DecodeShape). The
@@ -98,6 +104,9 @@ struct DecodeChapter {
   size_t (*workspace_bytes)(const DecodeShape& shape);
   const char* workspace_what;
   void (*launch)(const DecodeParams& params, cudaStream_t stream);
+  // 90: built for sm_90a (wgmma, TMA): runs on compute capability 9.0 only, and everywhere else
+  // the binary says so and its tests skip. 0: runs on min_compute_capability and newer.
+  int arch_specific = 0;
 };
 
 }  // namespace attn

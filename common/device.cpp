@@ -15,7 +15,7 @@ std::string cuda_version(int version) {
 
 }  // namespace
 
-std::string device_problem(int min_cc) {
+std::string device_problem(int min_cc, int arch_specific) {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);  // 0 when no NVIDIA driver is installed
   cudaRuntimeGetVersion(&runtime);
@@ -41,6 +41,14 @@ std::string device_problem(int min_cc) {
     std::ostringstream s;
     s << "this chapter needs a GPU of compute capability " << min_cc / 10 << "." << min_cc % 10
       << " or newer, and " << prop.name << " has " << prop.major << "." << prop.minor << ".";
+    return s.str();
+  }
+  if (arch_specific != 0 && cc != arch_specific) {
+    std::ostringstream s;
+    s << "this chapter is built for sm_" << arch_specific
+      << "a (Hopper's wgmma and TMA instructions), which runs on GPUs of compute capability "
+      << arch_specific / 10 << "." << arch_specific % 10 << " only, and " << prop.name << " has "
+      << prop.major << "." << prop.minor << ".";
     return s.str();
   }
   return "";

@@ -6,5 +6,6 @@
 #include "gpu_main.h"
 
 int main(int argc, char** argv) {
-  return attn::test::gpu_test_main(argc, argv, CHAPTER_NAMESPACE::chapter().min_compute_capability);
+  return attn::test::gpu_test_main(argc, argv, CHAPTER_NAMESPACE::chapter().min_compute_capability,
+                                   CHAPTER_NAMESPACE::chapter().arch_specific);
 }

@@ -77,6 +77,16 @@ TEST_CASE("ptxas reports no spills and no stack frame for any kernel") {
   CHECK_MESSAGE(kernels >= 2, "expected a kernel per head_dim in " ISA_OUT ".ptxas.txt");
 }
 
+TEST_CASE("ptxas did not serialize wgmma") {
+  // Warnings C7510-C7515 (and the C7517/C7519 notices of an injected wait or arrive) mean that
+  // ptxas could not keep the wgmma pipeline asynchronous: correct, but slow (HOPPER notes).
+  const std::string report = read_file(std::string(ISA_OUT) + ".ptxas.txt");
+  for (const char* code : {"C7510", "C7511", "C7512", "C7513", "C7514", "C7515", "C7517", "C7519"}) {
+    INFO("ptxas message " << code);
+    CHECK(count(report, code) == 0);
+  }
+}
+
 TEST_CASE("the SASS holds the matching machine instructions and no local memory") {
   const std::string sass = read_file(std::string(ISA_OUT) + ".sass");
   REQUIRE_MESSAGE(!sass.empty(), "no SASS at " ISA_OUT ".sass");
