@@ -48,7 +48,8 @@ int chapter_main(int argc, char** argv, ChapterKind kind, const Chapter& chapter
   try {
     if (std::string why = validate_options(chapter, cli.run); !why.empty())
       return fail(why.c_str(), kExitBadInput);
-    if (std::string problem = device_problem(chapter.min_compute_capability, chapter.arch_specific); !problem.empty())
+    if (std::string problem = device_problem(chapter.min_compute_capability, chapter.arch_specific);
+        !problem.empty())
       return fail(problem.c_str(), kExitNoDevice);
     require_fits(chapter, cli.run);
     if (cli.format == OutputFormat::kText) std::printf("%s: %s\n", chapter.name, chapter.summary);

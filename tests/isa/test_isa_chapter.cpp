@@ -81,7 +81,8 @@ TEST_CASE("ptxas did not serialize wgmma") {
   // Warnings C7510-C7515 (and the C7517/C7519 notices of an injected wait or arrive) mean that
   // ptxas could not keep the wgmma pipeline asynchronous: correct, but slow (HOPPER notes).
   const std::string report = read_file(std::string(ISA_OUT) + ".ptxas.txt");
-  for (const char* code : {"C7510", "C7511", "C7512", "C7513", "C7514", "C7515", "C7517", "C7519"}) {
+  for (const char* code :
+       {"C7510", "C7511", "C7512", "C7513", "C7514", "C7515", "C7517", "C7519"}) {
     INFO("ptxas message " << code);
     CHECK(count(report, code) == 0);
   }
