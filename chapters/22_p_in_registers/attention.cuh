@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kOTiles = kHeadDim / 8;  // 8-column chunks of O
   extern __shared__ unsigned char smem_raw[];
   // Rounded up to 1024 bytes by an offset from smem_raw, not through an integer: the compiler then
-  // still knows the pointer is to shared memory and stores P with st.shared, not generic stores.
+  // still knows the pointer is to shared memory (chapter 21).
   unsigned char* smem = smem_raw + ((1024 - hopper::smem_address(smem_raw) % 1024) % 1024);
   unsigned char* q_tile = smem + S::kQ;
   unsigned char* k_tile = smem + S::kK;
