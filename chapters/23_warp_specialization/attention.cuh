@@ -208,6 +208,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    // The producer's work ends with its last copy issued. Its copies complete on mbarriers that
+    // the consumers wait on, in shared memory that lives until the block's last thread exits.
     return;
   }
 
