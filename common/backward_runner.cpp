@@ -92,13 +92,6 @@ CheckedGroups gather_checked_groups(const AttentionShape& shape, DType dtype,
   return c;
 }
 
-double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::isfinite(b[i])) m = std::max(m, std::abs(a[i] - b[i]));
-  return m;
-}
-
 GradientScale gradient_scale(const BackwardReference& ref) {
   GradientScale scale;
   for (const std::vector<double>* gradient : {&ref.dq, &ref.dk, &ref.dv}) {
@@ -258,17 +251,14 @@ RunReport run_backward(const BackwardChapter& chapter, const RunOptions& options
     auto check = [&](const char* name, const std::vector<float>& out,
                      const std::vector<double>& expected, const Tolerance& tol, bool per_query_head,
                      size_t rows, size_t row_len) {
-      report.outputs.push_back(
-          {name, tol,
-           compare(out, expected, tol, where(shape, groups, name, per_query_head, rows, row_len)),
-           checksum(out)});
+      add_output(report, name, tol, out, expected,
+                 where(shape, groups, name, per_query_head, rows, row_len));
     };
     check("o", c.o, ref.o, o_tol, true, sq, d);
     check("lse", c.lse, ref.lse, lse_tol, true, sq, 1);
     check("dq", c.dq, ref.dq, dq_tol, true, sq, d);
     check("dk", c.dk, ref.dk, dk_tol, false, sk, d);
     check("dv", c.dv, ref.dv, dv_tol, false, sk, d);
-    for (const OutputCheck& output : report.outputs) report.passed &= output.comparison.passed;
   }
 
   time_into(

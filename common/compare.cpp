@@ -113,4 +113,11 @@ Tolerance lse_tolerance(DType dtype, double max_abs_logit) {
   return t;
 }
 
+double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::isfinite(b[i])) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
 }  // namespace attn

@@ -61,6 +61,11 @@ Tolerance bf16_gradient_tolerance(double plain_bf16_max_abs_err, const GradientS
 // the same rounded inputs (plus 1e-5), the rule of the FlashAttention tests; and whatever that
 // gives, a norm-wise relative error under 1e-2.
 Tolerance bf16_output_tolerance(double plain_bf16_max_abs_err);
+// The largest |a[i] - b[i]| where b[i] is finite (a row's lse of -inf is matched exactly
+// elsewhere): a plain bf16 implementation's error against the reference, which sets the bf16
+// tolerances.
+double max_abs_difference(const std::vector<double>& a, const std::vector<double>& b);
+
 // FNV-1a over the bits of the values: equal checksums mean (all but surely) equal outputs, so a
 // test can ask that two runs gave the same bits without keeping both.
 uint64_t checksum(const std::vector<float>& values);

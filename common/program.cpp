@@ -41,6 +41,11 @@ int chapter_main(int argc, char** argv, ChapterKind kind, const Chapter& chapter
   } catch (const InvalidInput& e) {
     return fail(e.what(), kExitBadInput);
   }
+  if (cli.run.deterministic && kind != ChapterKind::kBackward)
+    return fail(
+        "--deterministic is an option of backward chapters: this one gives the same bits on every "
+        "run already.",
+        kExitBadInput);
   if (cli.help) {
     std::fputs(usage(chapter).c_str(), stdout);
     return kExitPass;
@@ -77,15 +82,8 @@ int chapter_main(int argc, char** argv, ChapterKind kind, const Chapter& chapter
 }  // namespace
 
 int forward_main(int argc, char** argv, const ForwardChapter& chapter) {
-  return chapter_main(
-      argc, argv, ChapterKind::kForward, chapter, require_forward_fits,
-      [](const ForwardChapter& c, const RunOptions& options) {
-        if (options.deterministic)
-          throw InvalidInput(
-              "--deterministic is an option of backward chapters: a forward chapter gives the "
-              "same bits on every run already.");
-        return run_forward(c, options);
-      });
+  return chapter_main(argc, argv, ChapterKind::kForward, chapter, require_forward_fits,
+                      run_forward);
 }
 
 int backward_main(int argc, char** argv, const BackwardChapter& chapter) {
@@ -94,14 +92,7 @@ int backward_main(int argc, char** argv, const BackwardChapter& chapter) {
 }
 
 int decode_main(int argc, char** argv, const DecodeChapter& chapter) {
-  return chapter_main(argc, argv, ChapterKind::kDecode, chapter, require_decode_fits,
-                      [](const DecodeChapter& c, const RunOptions& options) {
-                        if (options.deterministic)
-                          throw InvalidInput(
-                              "--deterministic is an option of backward chapters: a decode "
-                              "chapter gives the same bits on every run already.");
-                        return run_decode(c, options);
-                      });
+  return chapter_main(argc, argv, ChapterKind::kDecode, chapter, require_decode_fits, run_decode);
 }
 
 }  // namespace attn

@@ -35,6 +35,12 @@ RunReport start_report(const char* chapter, ChapterKind kind, DType dtype,
                        const RunOptions& options, const RunFootprint& footprint,
                        const char* workspace_what);
 
+// Compares one output with its reference, adds it to report.outputs (with the checksum of its
+// values), and fails the report when it fails.
+void add_output(RunReport& report, const std::string& name, const Tolerance& tolerance,
+                const std::vector<float>& out, const std::vector<double>& ref,
+                const std::function<std::string(size_t)>& where);
+
 // Times `launch` as options.timing says, into the report, with `flops` per launch.
 void time_into(RunReport& report, const std::function<void(cudaStream_t)>& launch,
                const RunOptions& options, double flops);

@@ -59,6 +59,13 @@ RunReport start_report(const char* chapter, ChapterKind kind, DType dtype,
   return report;
 }
 
+void add_output(RunReport& report, const std::string& name, const Tolerance& tolerance,
+                const std::vector<float>& out, const std::vector<double>& ref,
+                const std::function<std::string(size_t)>& where) {
+  report.outputs.push_back({name, tolerance, compare(out, ref, tolerance, where), checksum(out)});
+  report.passed &= report.outputs.back().comparison.passed;
+}
+
 void time_into(RunReport& report, const std::function<void(cudaStream_t)>& launch,
                const RunOptions& options, double flops) {
   if (!options.bench) return;
@@ -233,10 +240,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
       o_tolerance = fp32_output_tolerance(ref.max_abs_logit);
     } else {
       const ForwardReference plain = reference_forward(shape, c.inputs, RefPrecision::kPlainBf16);
-      double plain_err = 0;
-      for (size_t i = 0; i < ref.o.size(); ++i)
-        plain_err = std::max(plain_err, std::abs(plain.o[i] - ref.o[i]));
-      o_tolerance = bf16_output_tolerance(plain_err);
+      o_tolerance = bf16_output_tolerance(max_abs_difference(plain.o, ref.o));
     }
     const size_t d = shape.head_dim, sq = shape.seqlen_q;
     auto where = [&](const char* what, size_t row_len) {
@@ -250,11 +254,8 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
       };
     };
     const Tolerance lse_tol = lse_tolerance(dtype, ref.max_abs_logit);
-    report.outputs.push_back(
-        {"o", o_tolerance, compare(c.o, ref.o, o_tolerance, where("o", d)), checksum(c.o)});
-    report.outputs.push_back(
-        {"lse", lse_tol, compare(c.lse, ref.lse, lse_tol, where("lse", 1)), checksum(c.lse)});
-    for (const OutputCheck& output : report.outputs) report.passed &= output.comparison.passed;
+    add_output(report, "o", o_tolerance, c.o, ref.o, where("o", d));
+    add_output(report, "lse", lse_tol, c.lse, ref.lse, where("lse", 1));
   }
 
   time_into(
