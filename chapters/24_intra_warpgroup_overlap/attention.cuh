@@ -13,8 +13,9 @@
 //   (the last step P_j V_j alone);
 // - O rescaled and P_{j+1} packed into the A registers only after wait_group 0 has retired
 //   P_j V_j, which reads P_j and accumulates into O; until then the softmax works on S in place;
-// - a third stage in the K/V ring: step j now needs K_{j+1} at its start, a step earlier than
-//   chapter 23 did, while stage j - 1 is released only at the end of step j - 1;
+// - a third stage in the K/V ring: step j needs K_{j+1} at its start, a step earlier than chapter
+//   23 did; with two stages K_{j+1} would go into the stage of tile j - 1, released only at the
+//   end of step j - 1;
 // - the masked and unmasked softmax as two functions behind a branch (softmax_step, below).
 //
 // Everything else is chapter 23's: a producer warpgroup fills the K/V ring by TMA on full and
@@ -246,7 +247,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_unmasked_blocks = max(0, unmasked_end) / kBlockN;
 
   if (warpgroup == 0) {
-    // The producer: one thread copies Q once, then K and V a stage ahead of the consumers.
+    // The producer: one thread copies Q once, then K and V up to kStages tiles ahead of the
+    // consumers.
     hopper::release_registers<kProducerRegisters>();
     if (threadIdx.x == 0) {
       hopper::mbarrier_arrive_expect_tx(&q_full, kConsumers * S::kTileBytes);

@@ -1,5 +1,5 @@
 // Chapter 25: ping-pong. In chapter 24 each consumer overlaps its softmax with its own P V, but the
-// two consumers wait on the same full barriers and run in step more or less as it happens: both
+// two consumers wait on the same full barriers and drift in and out of step: at times both
 // may issue their wgmma at once and then both take the softmax at once. The idea in one sentence:
 // two named barriers make the consumers take turns issuing their GEMMs, so that one consumer's
 // softmax runs while the other's GEMMs keep the tensor cores busy.
@@ -9,8 +9,8 @@
 //
 // A consumer's turn: wait on its own barrier (bar.sync), issue its GEMMs (S_{j+1} = Q K_{j+1}^T
 // and P_j V_j, chapter 24's pair), signal the other consumer's barrier (bar.arrive), and go on to
-// the softmax. Consumer 0 takes the first turn: consumer 1 signals its barrier once at the start,
-// and skips its signal after its last turn, when consumer 0 has no turn left to take.
+// the softmax. Consumer 0 takes the first turn: consumer 1 signals consumer 0's barrier once at the
+// start, and skips its signal after its last turn, when consumer 0 has no turn left to take.
 //
 // Everything else is chapter 24's: a producer warpgroup fills a 3-stage K/V ring by TMA on full
 // and empty mbarriers for two consumer warpgroups of 64 query rows each, setmaxnreg; the softmax
@@ -240,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int num_unmasked_blocks = max(0, unmasked_end) / kBlockN;
 
   if (warpgroup == 0) {
-    // The producer: one thread copies Q once, then K and V a stage ahead of the consumers.
+    // The producer: one thread copies Q once, then K and V up to kStages tiles ahead of the
+    // consumers.
     hopper::release_registers<kProducerRegisters>();
     if (threadIdx.x == 0) {
       hopper::mbarrier_arrive_expect_tx(&q_full, kConsumers * S::kTileBytes);
@@ -289,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The turns: this consumer waits on barrier 1 + consumer and signals the other's, 2 - consumer
   // (0 is __syncthreads); each barrier completes when 256 threads have come, 128 of each
-  // consumer. Consumer 0 goes first: consumer 1 signals its barrier once before any turn.
+  // consumer. Consumer 0 goes first: consumer 1 signals consumer 0's barrier once before any turn.
   const int own_barrier = 1 + consumer, other_barrier = 2 - consumer;
   constexpr int kTurnThreads = 2 * 128;
   if (consumer == 1 && num_kv_blocks > 0) hopper::named_barrier_arrive(other_barrier, kTurnThreads);
