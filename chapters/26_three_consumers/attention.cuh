@@ -14,9 +14,8 @@
 // Everything else is chapter 25's: a producer warpgroup fills a 3-stage K/V ring by TMA on full
 // and empty mbarriers; each consumer issues S_{j+1} = Q K_{j+1}^T with P_j V_j in its turn and
 // takes the softmax of S_{j+1} while P_j V_j runs. Accumulator layout: warp w of a consumer owns
-// rows 16 w .. 16 w + 15 of its 64, and lane 4 g + t holds columns 8 j + 2 t, + 1 of rows 16 w + g
-// and
-// + 8.
+// rows 16 w .. 16 w + 15 of its 64, and lane 4 g + t holds columns 8 j + 2 t, + 1 of its rows
+// 16 w + g and 16 w + g + 8.
 #pragma once
 
 #include <cmath>
