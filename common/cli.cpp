@@ -99,9 +99,6 @@ CliOptions parse_cli(const std::vector<std::string>& args, ChapterKind kind) {
   // --heads alone means multi-head attention; neither keeps the default's heads.
   if (heads_given && !heads_kv_given) cli.run.shape.heads_kv = cli.run.shape.heads_q;
   if (!(cli.run.q_scale > 0.0f)) throw InvalidInput("--q-scale must be a positive number.");
-  // A softmax scale is positive (chapter 27 takes the row maximum before scaling, which needs it).
-  if (!(cli.run.shape.scale >= 0.0f))
-    throw InvalidInput("--scale must be a positive number (or 0, the default: 1/sqrt(head_dim)).");
   if (!page_size_valid(cli.run.page_size)) throw InvalidInput(kPageSizeRule);
   return cli;
 }

@@ -48,8 +48,8 @@ struct Block {
   static constexpr int kRows = kConsumers * kConsumerRows;
   static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
 };
-// Keys per tile: 128. A consumer's registers (from setmaxnreg) hold a 64 x 128
-// S tile (64 floats per thread) beside O, and the ring's barriers are paid once per 128 keys.
+// Keys per tile: 128. A consumer's registers (from setmaxnreg) hold a 64 x 128 S tile (64 floats
+// per thread) beside O, and the ring's barriers are paid once per 128 keys.
 constexpr int kBlockN = 128;
 constexpr int kPanelCols = 64;                    // bf16 columns per 128-byte swizzled row
 constexpr int kPanelBytes = kConsumerRows * 128;  // a panel of Q: 64 rows of 128 bytes
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
 
   // The key blocks this query block sees (causal: up to its bottom row's diagonal, bottom-right
   // aligned, the rest skipped); only blocks that reach past the first row's diagonal, or past
-  // the end, need a mask. Both consumers walk the same blocks: they share every tile.
+  // the end, need a mask. All consumers walk the same blocks: they share every tile.
   const int q_last = min(q_start + B::kRows, shape.seqlen_q) - 1;
   const int kv_end = shape.causal ? max(0, min(shape.seqlen_k, q_last + shape.causal_offset() + 1))
                                   : shape.seqlen_k;

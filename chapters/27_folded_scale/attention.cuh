@@ -1,8 +1,8 @@
 // Chapter 27: the scale folded into the exponent. Chapter 26's softmax multiplies every score by
 // scale * log2(e) before it takes the row maximum, then subtracts the maximum and exponentiates:
 // per score an FMUL, an FMNMX, an FADD and a MUFU.EX2. The idea in one sentence: take the maximum
-// of the raw scores, and compute exp2(s * scale - m * scale) as one FFMA feeding the MUFU, so the
-// multiply disappears and the maximum no longer waits for it.
+// of the raw scores, and compute exp2(s c - m c), c = scale * log2(e), as one FFMA feeding the
+// MUFU, so the multiply disappears and the maximum no longer waits for it.
 //
 //   chapter 26:  s *= c;  m = max(m, s);  p = exp2(s - m)          c = scale * log2(e) > 0
 //   chapter 27:           m = max(m, s);  p = exp2(fma(s, c, -m c))
@@ -48,8 +48,8 @@ struct Block {
   static constexpr int kRows = kConsumers * kConsumerRows;
   static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
 };
-// Keys per tile: 128. A consumer's registers (from setmaxnreg) hold a 64 x 128
-// S tile (64 floats per thread) beside O, and the ring's barriers are paid once per 128 keys.
+// Keys per tile: 128. A consumer's registers (from setmaxnreg) hold a 64 x 128 S tile (64 floats
+// per thread) beside O, and the ring's barriers are paid once per 128 keys.
 constexpr int kBlockN = 128;
 constexpr int kPanelCols = 64;                    // bf16 columns per 128-byte swizzled row
 constexpr int kPanelBytes = kConsumerRows * 128;  // a panel of Q: 64 rows of 128 bytes
@@ -137,7 +137,7 @@ __device__ void issue_pv(float (&o)[kHeadDim / 2], uint32_t (&p)[kBlockN / 16][4
 // One step of the online softmax (chapter 05) in log2 units, on S_j (keys kv_start ..) in place,
 // the scale applied inside the exponent's FFMA (row_max is of the unscaled scores):
 // in blocks that reach past the first row's diagonal or past the end (chapter 10, kMasked) the keys
-// a row cannot see are set to -inf. Updates the row's max and sum, leaves P = exp2(s - base) in s
+// a row cannot see are set to -inf. Updates the row's max and sum, leaves P = exp2(s c - base) in s
 // and returns in alpha the factor O must be rescaled by.
 //
 // Two versions, masked and not, chosen by a branch at the call. Besides sparing unmasked blocks
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
 
   // The key blocks this query block sees (causal: up to its bottom row's diagonal, bottom-right
   // aligned, the rest skipped); only blocks that reach past the first row's diagonal, or past
-  // the end, need a mask. Both consumers walk the same blocks: they share every tile.
+  // the end, need a mask. All consumers walk the same blocks: they share every tile.
   const int q_last = min(q_start + B::kRows, shape.seqlen_q) - 1;
   const int kv_end = shape.causal ? max(0, min(shape.seqlen_k, q_last + shape.causal_offset() + 1))
                                   : shape.seqlen_k;
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     hopper::mbarrier_arrive(&empty[stage]);
   }
 
-  // O = o_acc / l and lse = (m + log2 l) / log2 e, straight from the registers.
+  // O = o_acc / l and lse = (m c + log2 l) / log2 e, straight from the registers.
   const int64_t head_row0 = int64_t(batch_head) * shape.seqlen_q;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

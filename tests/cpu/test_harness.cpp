@@ -221,8 +221,6 @@ TEST_CASE("command line") {
   CHECK_THROWS_AS(parse_cli({"--seqlen"}), InvalidInput);
   CHECK_THROWS_AS(parse_cli({"--frobnicate"}), InvalidInput);
   CHECK_THROWS_AS(parse_cli({"--q-scale", "0"}), InvalidInput);
-  CHECK_THROWS_AS(parse_cli({"--scale", "-0.1"}), InvalidInput);
-  CHECK(parse_cli({"--scale", "0.25"}).run.shape.scale == 0.25f);
   CHECK_FALSE(parse_cli({}).run.deterministic);
   CHECK(parse_cli({"--deterministic"}).run.deterministic);
 }
