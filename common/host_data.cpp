@@ -81,6 +81,33 @@ void round_to_bf16(std::vector<float>& values) {
   for (float& v : values) v = round_to_bf16(v);
 }
 
+uint8_t float_to_e4m3_bits(float value) {
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  if (std::isnan(value)) return uint8_t(sign | 0x7F);
+  const float magnitude = std::fabs(value);
+  if (magnitude >= kE4M3Max) return uint8_t(sign | 0x7E);  // saturate (also +-inf)
+  // Below 2^-6 the step is 2^-9 everywhere (subnormals, code = multiple of 2^-9; a result of 8 is
+  // the smallest normal, whose code is 8 too). nearbyint rounds half to even.
+  if (magnitude < 0.015625f) return uint8_t(sign | int(std::nearbyint(magnitude * 512.0f)));
+  int exponent;  // magnitude = fraction * 2^exponent, fraction in [0.5, 1)
+  const float fraction = std::frexp(magnitude, &exponent);
+  int biased = exponent - 1 + 7;                                        // of 1.m x 2^(exponent - 1)
+  int mantissa = int(std::nearbyint((fraction * 2.0f - 1.0f) * 8.0f));  // 0..8, halves to even
+  if (mantissa == 8) mantissa = 0, ++biased;                            // rounded up to 2^(e + 1)
+  if (biased > 15 || (biased == 15 && mantissa == 7)) return uint8_t(sign | 0x7E);  // past 448
+  return uint8_t(sign | (biased << 3) | mantissa);
+}
+
+float e4m3_bits_to_float(uint8_t bits) {
+  const int biased = (bits >> 3) & 0xF, mantissa = bits & 7;
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  if (biased == 15 && mantissa == 7) return NAN;
+  if (biased == 0) return sign * std::ldexp(float(mantissa), -9);
+  return sign * std::ldexp(1.0f + mantissa / 8.0f, biased - 7);
+}
+
+float round_to_e4m3(float value) { return e4m3_bits_to_float(float_to_e4m3_bits(value)); }
+
 void make_input(float* out, size_t count, size_t first, DType dtype, uint64_t seed, uint64_t stream,
                 float stddev) {
   fill_normal(out, count, seed, stream, stddev, first);

@@ -28,6 +28,15 @@ float bf16_bits_to_float(uint16_t bits);
 float round_to_bf16(float value);
 void round_to_bf16(std::vector<float>& values);
 
+// FP8 e4m3 (the OCP "E4M3FN" format of Hopper's FP8 tensor cores): 1 sign bit, 4 exponent bits
+// (bias 7), 3 mantissa bits; no infinities, NaN only as S.1111.111. The largest finite magnitude
+// is 448 (S.1111.110), the smallest normal 2^-6, the smallest subnormal 2^-9. Conversion rounds to
+// nearest even and saturates to +-448, as cvt.rn.satfinite does; NaN stays NaN.
+constexpr float kE4M3Max = 448.0f;
+uint8_t float_to_e4m3_bits(float value);
+float e4m3_bits_to_float(uint8_t bits);
+float round_to_e4m3(float value);
+
 // The random inputs of every kind of run. Each tensor draws from its own stream of the seed, so a
 // run can make any piece of any input again (the check does, for the heads it compares).
 enum InputStream : uint64_t {

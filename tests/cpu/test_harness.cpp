@@ -335,6 +335,40 @@ TEST_CASE("bf16 rounding is round-to-nearest-even on the 8th mantissa bit") {
   CHECK(std::isinf(round_to_bf16(INFINITY)));
 }
 
+TEST_CASE("e4m3: every code decodes to its value, and rounding is to the nearest, ties to even") {
+  CHECK(e4m3_bits_to_float(0x7E) == 448.0f);        // largest finite
+  CHECK(e4m3_bits_to_float(0x08) == 0.015625f);     // smallest normal, 2^-6
+  CHECK(e4m3_bits_to_float(0x01) == 0.001953125f);  // smallest subnormal, 2^-9
+  CHECK(e4m3_bits_to_float(0x38) == 1.0f);
+  CHECK(std::isnan(e4m3_bits_to_float(0x7F)));
+  CHECK(std::isnan(e4m3_bits_to_float(0xFF)));
+  // Every finite code survives the round trip, both signs (the two zeros included).
+  std::vector<float> finite;
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7F) == 0x7F) continue;
+    const float v = e4m3_bits_to_float(uint8_t(code));
+    CHECK(float_to_e4m3_bits(v) == code);
+    if (code < 0x80) finite.push_back(v);
+  }
+  REQUIRE(finite.size() == 127);
+  // Between neighbours: a quarter of the way rounds down, three quarters up, the midpoint to the
+  // even code (the one whose last mantissa bit is 0).
+  for (size_t i = 0; i + 1 < finite.size(); ++i) {
+    const float lo = finite[i], hi = finite[i + 1], step = hi - lo;
+    CHECK(round_to_e4m3(lo + step / 4) == lo);
+    CHECK(round_to_e4m3(hi - step / 4) == hi);
+    CHECK(round_to_e4m3(-(lo + step / 4)) == -lo);
+    const float even = (float_to_e4m3_bits(lo) & 1) == 0 ? lo : hi;
+    CHECK(round_to_e4m3(lo + step / 2) == even);
+  }
+  // Saturation and specials.
+  CHECK(round_to_e4m3(460.0f) == 448.0f);
+  CHECK(round_to_e4m3(1e9f) == 448.0f);
+  CHECK(round_to_e4m3(-INFINITY) == -448.0f);
+  CHECK(std::isnan(round_to_e4m3(NAN)));
+  CHECK(round_to_e4m3(0.0009765625f) == 0.0f);  // half the smallest subnormal: a tie, to even 0
+}
+
 TEST_CASE("random inputs are reproducible, differ by seed and stream, and are not zeros") {
   std::vector<float> a(10001), b(10001), c(10001), d(10001);
   fill_normal(a, 42, 0, 1.0f);
