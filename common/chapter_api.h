@@ -22,12 +22,18 @@ struct ForwardParams {
   void* o = nullptr;          // [batch, heads_q, seqlen_q, head_dim]
   float* lse = nullptr;       // [batch, heads_q, seqlen_q], natural log of each row's softmax sum
   void* workspace = nullptr;  // ForwardChapter::workspace_bytes(shape) bytes, uninitialised
+  // FP8 chapters only (dtype kE4M3): on the device, one float per (batch, key/value head) each,
+  // batch * heads_kv + kv head. An element's value is its stored e4m3 number times the descale
+  // of its group (for Q: of the key/value head its query head reads). Null for other chapters.
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
 };
 
 struct ForwardChapter {
   const char* name;            // the folder, e.g. "01_naive"
   const char* summary;         // one line: what this step does
-  DType dtype;                 // of Q, K, V and O
+  DType dtype;                 // of Q, K, V (and of O, unless output_dtype says otherwise)
   std::vector<int> head_dims;  // the head dimensions its kernels support
   int min_compute_capability;  // e.g. 80 for mma.sync with bf16
   // False only for the chapter whose lesson is the overflow (01): the tests then expect failure.
@@ -38,6 +44,11 @@ struct ForwardChapter {
   // 90: built for sm_90a (wgmma, TMA): runs on compute capability 9.0 only, and everywhere else
   // the binary says so and its tests skip. 0: runs on min_compute_capability and newer.
   int arch_specific = 0;
+  DType output_dtype = dtype;  // of O: bf16 for an FP8 chapter
+  // A kernel that launch runs before the attention and that the report times apart as well (FP8:
+  // V transposed into the workspace); null if none. launch runs it itself: the total is timed.
+  void (*prepass)(const ForwardParams& params, cudaStream_t stream) = nullptr;
+  const char* prepass_what = "";
 };
 
 // The backward pass: the gradients of a loss L with respect to q, k and v, given dO = dL/dO. O and

@@ -35,6 +35,13 @@ bool parse_page_order(const std::string& text) {
   return text == "random";
 }
 
+// --fp8-scale: one scale per tensor, or per (batch, key/value head).
+Fp8Scaling parse_fp8_scaling(const std::string& text) {
+  if (text != "tensor" && text != "head")
+    throw InvalidInput("--fp8-scale is 'tensor' or 'head' (got '" + text + "').");
+  return text == "tensor" ? Fp8Scaling::kPerTensor : Fp8Scaling::kPerHead;
+}
+
 float parse_float(const std::string& option, const std::string& text) {
   char* end = nullptr;
   float value = std::strtof(text.c_str(), &end);
@@ -94,6 +101,13 @@ CliOptions parse_cli(const std::vector<std::string>& args, ChapterKind kind) {
     else if (option == "--json") cli.format = OutputFormat::kJson;
     else if (option == "--save") cli.run.save_dir = next();
     else if (option == "--deterministic") cli.run.deterministic = true;
+    else if (kind == ChapterKind::kForward && option == "--outliers")
+      cli.run.outliers = parse_float(option, next());
+    else if (kind == ChapterKind::kForward && option == "--hadamard") cli.run.hadamard = true;
+    else if (kind == ChapterKind::kForward && option == "--fp8-scale")
+      cli.run.fp8_scaling = parse_fp8_scaling(next());
+    else if (kind == ChapterKind::kForward && option == "--check-unrounded")
+      cli.run.check_unrounded = true;
     else throw InvalidInput("unknown option '" + args[i] + "'; --help lists the options.");
   }
   // --heads alone means multi-head attention; neither keeps the default's heads.
@@ -109,6 +123,7 @@ struct UsageOf {
   const char* name;
   const char* summary;
   DType dtype;
+  DType output_dtype;
   const std::vector<int>& head_dims;
   ChapterKind kind;
   bool has_deterministic_mode;
@@ -163,7 +178,9 @@ std::string usage_text(const UsageOf& chapter) {
   } else {
     s << "Runs the chapter's attention forward pass on random inputs, checks it against the Eigen\n"
       << "CPU reference, then times it. Q, K, V, O are [batch, heads, seqlen, head_dim], "
-      << dtype_name(chapter.dtype) << ".\n\n";
+      << dtype_name(chapter.dtype);
+    if (chapter.output_dtype != chapter.dtype) s << " (O " << dtype_name(chapter.output_dtype) << ")";
+    s << ".\n\n";
   }
   if (!decode) {
     s << "Shape:\n"
@@ -187,9 +204,23 @@ std::string usage_text(const UsageOf& chapter) {
   s << "Inputs:\n"
     << "  --seed N         seed of the random inputs (default 1234)\n"
     << "  --q-scale F      Q ~ Normal(0, F); 100 makes the logits large enough to overflow exp()\n"
-    << "                   without the max trick (default 1)\n"
-    << "Check:\n"
+    << "                   without the max trick (default 1)\n";
+  if (!backward && !decode) {
+    s << "  --outliers F     channels 7 and head_dim/2 + 7 of Q and K, in every fourth key/value\n"
+      << "                   head, F times larger (default 1: none)\n"
+      << "  --hadamard       rotate the rows of Q and K by a Hadamard matrix (Q K^T unchanged)\n";
+    if (chapter.dtype == DType::kE4M3)
+      s << "  --fp8-scale S    tensor or head: one scale per tensor, or per (batch, key/value head)\n"
+        << "                   (default head)\n";
+  }
+  s << "Check:\n"
     << "  --no-check       skip the comparison with the CPU reference\n";
+  if (!backward && !decode)
+    s << (chapter.dtype == DType::kE4M3
+              ? "                   (O and LSE are held against the reference from the rounded\n"
+                "                   inputs, and against the one from the unrounded inputs)\n"
+              : "  --check-unrounded  also hold O and LSE against the reference from the unrounded\n"
+                "                   inputs\n");
   if (backward || decode) {
     s << "  --check-all      check every (batch, key/value head) group; by default large problems\n"
       << "                   check a sample of groups, and the report says which\n"
@@ -222,18 +253,19 @@ std::string usage_text(const UsageOf& chapter) {
 }  // namespace
 
 std::string usage(const ForwardChapter& chapter) {
-  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.head_dims,
-                     ChapterKind::kForward, false, false});
+  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.output_dtype,
+                     chapter.head_dims, ChapterKind::kForward, false, false});
 }
 
 std::string usage(const BackwardChapter& chapter) {
-  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.head_dims,
-                     ChapterKind::kBackward, chapter.has_deterministic_mode, false});
+  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.dtype,
+                     chapter.head_dims, ChapterKind::kBackward, chapter.has_deterministic_mode,
+                     false});
 }
 
 std::string usage(const DecodeChapter& chapter) {
-  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.head_dims,
-                     ChapterKind::kDecode, false, chapter.paged});
+  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.dtype,
+                     chapter.head_dims, ChapterKind::kDecode, false, chapter.paged});
 }
 
 }  // namespace attn

@@ -84,6 +84,13 @@ Tolerance bf16_gradient_tolerance(double plain_bf16_max_abs_err, const GradientS
   return t;
 }
 
+double relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double err_sq = 0, ref_sq = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::isfinite(b[i])) err_sq += (a[i] - b[i]) * (a[i] - b[i]), ref_sq += b[i] * b[i];
+  return ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : std::sqrt(err_sq);
+}
+
 uint64_t checksum(const std::vector<float>& values) {
   uint64_t hash = 0xcbf29ce484222325ull;
   for (float value : values) {
@@ -106,8 +113,32 @@ Tolerance bf16_output_tolerance(double plain_bf16_max_abs_err) {
   return t;
 }
 
+Tolerance fp8_output_tolerance(double plain_max_abs_err, double plain_rel_err,
+                               const char* against) {
+  Tolerance t{2.0 * plain_rel_err + 1e-3, 2.0 * plain_max_abs_err + 1e-5, 0.0, ""};
+  std::ostringstream s;
+  s.precision(2);
+  s << "e4m3 vs " << against << ": |err| <= 2 x plain fp8 (" << plain_max_abs_err
+    << ") + 1e-5, rel <= 2 x plain (" << plain_rel_err << ") + 1e-3";
+  t.rule = s.str();
+  return t;
+}
+
+Tolerance unrounded_lse_tolerance(const Tolerance& own, double plain_max_abs_err) {
+  Tolerance t = own;
+  t.atol += 2.0 * plain_max_abs_err;
+  std::ostringstream s;
+  s.precision(2);
+  s << "lse: |err| <= " << own.atol << " + 2 x plain (" << plain_max_abs_err << ") + " << t.rtol
+    << "*|ref|, rel <= " << t.max_rel_norm;
+  t.rule = s.str();
+  return t;
+}
+
 Tolerance lse_tolerance(DType dtype, double max_abs_logit) {
-  const double f = logit_factor(max_abs_logit) * (dtype == DType::kF32 ? 1.0 : 10.0);
+  const double f = logit_factor(max_abs_logit) * (dtype == DType::kF32    ? 1.0
+                                                  : dtype == DType::kBF16 ? 10.0
+                                                                          : 100.0);
   Tolerance t{1e-5 * f, 1e-5 * f, 1e-5 * f, ""};
   t.rule = format_rule("lse:", t);
   return t;

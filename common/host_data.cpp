@@ -133,6 +133,12 @@ void DeviceTensor::upload(const float* values, size_t count, size_t offset) {
     CUDA_CHECK(cudaMemcpy(dst, values, count * sizeof(float), cudaMemcpyHostToDevice));
     return;
   }
+  if (dtype_ == DType::kE4M3) {
+    std::vector<uint8_t> bits(count);
+    for (size_t i = 0; i < count; ++i) bits[i] = float_to_e4m3_bits(values[i]);
+    CUDA_CHECK(cudaMemcpy(dst, bits.data(), count, cudaMemcpyHostToDevice));
+    return;
+  }
   std::vector<uint16_t> bits(count);
   for (size_t i = 0; i < count; ++i) bits[i] = float_to_bf16_bits(values[i]);
   CUDA_CHECK(cudaMemcpy(dst, bits.data(), count * sizeof(uint16_t), cudaMemcpyHostToDevice));
@@ -146,6 +152,12 @@ std::vector<float> DeviceTensor::download(size_t offset, size_t count) const {
     CUDA_CHECK(cudaMemcpy(values.data(), src, count * sizeof(float), cudaMemcpyDeviceToHost));
     return values;
   }
+  if (dtype_ == DType::kE4M3) {
+    std::vector<uint8_t> bits(count);
+    CUDA_CHECK(cudaMemcpy(bits.data(), src, count, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < count; ++i) values[i] = e4m3_bits_to_float(bits[i]);
+    return values;
+  }
   std::vector<uint16_t> bits(count);
   CUDA_CHECK(cudaMemcpy(bits.data(), src, count * sizeof(uint16_t), cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < count; ++i) values[i] = bf16_bits_to_float(bits[i]);
@@ -153,7 +165,7 @@ std::vector<float> DeviceTensor::download(size_t offset, size_t count) const {
 }
 
 void DeviceTensor::poison() {
-  // 0xFF bytes are a NaN in both fp32 and bf16.
+  // 0xFF bytes are a NaN in fp32, bf16 and e4m3 alike.
   CUDA_CHECK(cudaMemset(data(), 0xFF, bytes()));
 }
 

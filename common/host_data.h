@@ -64,7 +64,7 @@ inline size_t input_piece_host_bytes(size_t elements) {
 }
 
 // A device tensor stored in `dtype`, built from exactly the host values given (which must already
-// be representable: call round_to_bf16 first for bf16), or read back as float.
+// be representable: call round_to_bf16 or round_to_e4m3 first), or read back as float.
 class DeviceTensor {
  public:
   DeviceTensor(DType dtype, size_t count);

@@ -58,6 +58,8 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
     MatrixD s;
     if (precision == RefPrecision::kDouble) {
       s = (q_f.middleRows(row0, rows).cast<double>() * k_d.transpose()) * scale;
+    } else if (precision == RefPrecision::kPlainFp8) {
+      s = ((q_f.middleRows(row0, rows) * k_f.transpose()) * float(scale)).cast<double>();
     } else {
       // Products of bf16 values are exact in float; Eigen sums them in float, like a GPU would.
       MatrixF s_f = (q_f.middleRows(row0, rows) * k_f.transpose()) * float(scale);
@@ -77,6 +79,15 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
       if (precision == RefPrecision::kDouble) {
         p.row(i).head(visible) = (seen.array() - row_max).exp().matrix();
         row_sum[i] = p.row(i).sum();
+      } else if (precision == RefPrecision::kPlainFp8) {
+        // exp in float scaled by 2^8, rounded to e4m3 for P V; the sum of the unrounded values.
+        float sum_f = 0;
+        for (int j = 0; j < visible; ++j) {
+          const float e = 256.0f * std::exp(float(seen(j) - row_max));
+          sum_f += e;
+          p(i, j) = round_to_e4m3(e);
+        }
+        row_sum[i] = sum_f;
       } else {
         // Softmax in float, then the probabilities rounded to bf16 before P V.
         float sum_f = 0;
@@ -85,11 +96,21 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
           p(i, j) = round_to_bf16(std::exp(float(seen(j) - row_max)) / sum_f);
         row_sum[i] = 1.0;  // P is already normalised
       }
-      lse[row0 + i] = row_max + std::log(row_sum[i]);
+      lse[row0 + i] = row_max + std::log(row_sum[i]) -
+                      (precision == RefPrecision::kPlainFp8 ? std::log(256.0) : 0.0);
     }
     MatrixD o_block;
     if (precision == RefPrecision::kDouble) {
       o_block = p * v_d;
+    } else if (precision == RefPrecision::kPlainFp8) {
+      // O = (P V) / l in float, rounded to bf16 once.
+      MatrixF o_f = p.cast<float>() * v_f;
+      for (int i = 0; i < rows; ++i) {
+        const float inv = row_sum[i] > 0 ? 1.0f / float(row_sum[i]) : 0.0f;
+        for (int c = 0; c < d; ++c)
+          o[size_t(row0 + i) * d + c] = round_to_bf16(o_f(i, c) * inv);
+      }
+      continue;
     } else {
       MatrixF o_f = p.cast<float>() * v_f;
       o_block = o_f.unaryExpr([](float x) { return round_to_bf16(x); }).cast<double>();

@@ -43,6 +43,10 @@ enum class RefPrecision {
                // in float; dS = P * (dP - D) in float; dQ = scale dS K; dK = scale dS^T Q; each
                // product in float and each result rounded to bf16 (dK and dV summed over a group's
                // query heads in float and rounded once).
+  kPlainFp8,   // forward only: what a plain FP8 attention gets from inputs that are already the
+               // dequantised e4m3 values: S = scale q k^T in float (not rounded); each row's
+               // exp(S - max) in float, times 2^8, rounded to e4m3 for P V; l the float sum of the
+               // unrounded values; O = (P V) / l in float, rounded to bf16.
 };
 
 struct ForwardReference {

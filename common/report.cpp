@@ -13,8 +13,13 @@ std::string megabytes(size_t bytes) {
   return text;
 }
 
-// "o" -> "O", "lse" -> "LSE", "dq" -> "dQ": the names the lessons use.
+// "o" -> "O", "lse" -> "LSE", "dq" -> "dQ": the names the lessons use; "o_unrounded" -> "O vs the
+// unrounded inputs".
 std::string display_name(const std::string& name) {
+  const std::string suffix = "_unrounded";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(),
+                                                  suffix) == 0)
+    return display_name(name.substr(0, name.size() - suffix.size())) + " vs the unrounded inputs";
   std::string text = name;
   for (size_t i = name.rfind('d', 0) == 0 && name.size() > 1 ? 1 : 0; i < text.size(); ++i)
     text[i] = char(std::toupper(static_cast<unsigned char>(text[i])));
@@ -38,9 +43,12 @@ void print_text(const RunReport& r) {
   const bool backward = r.kind == ChapterKind::kBackward;
   const bool decode = r.kind == ChapterKind::kDecode;
   std::printf("device  %s\n", r.device.c_str());
-  std::printf("shape   %s, %s\n",
+  std::printf("shape   %s, %s",
               decode ? r.decode.shape.describe().c_str() : r.shape.describe().c_str(),
               dtype_name(r.dtype));
+  if (r.output_dtype != r.dtype) std::printf(" (O %s)", dtype_name(r.output_dtype));
+  std::printf("\n");
+  if (!r.inputs_what.empty()) std::printf("inputs  %s\n", r.inputs_what.c_str());
   if (decode) print_decode_cache(r.decode);
   if (backward)
     std::printf("mode    %s\n", r.deterministic ? "deterministic dQ (a separate pass, no atomics)"
@@ -88,6 +96,9 @@ void print_text(const RunReport& r) {
     std::printf("time    %.4f ms median of %d launches (min %.4f, max %.4f) = %.2f TFLOP/s%s\n",
                 r.timing.median_ms, r.timing.iters, r.timing.min_ms, r.timing.max_ms, r.tflops,
                 backward ? " (2.5x the forward's FLOPs)" : "");
+    if (!r.prepass_what.empty())
+      std::printf("        of which %s: %.4f ms (median, timed alone)\n", r.prepass_what.c_str(),
+                  r.prepass_median_ms);
   }
   std::printf("result  %s\n", !r.checked ? "not checked" : r.passed ? "PASS" : "FAIL");
 }
@@ -193,13 +204,14 @@ void print_csv(const RunReport& r) {
   std::printf(
       "chapter,dtype,batch,heads_q,heads_kv,seqlen_q,seqlen_k,head_dim,causal,checked,passed,"
       "o_max_abs_err,o_rel_err,lse_max_abs_err,median_ms,tflops,device_bytes,workspace_bytes,"
-      "device\n");
-  std::printf("%s,%s,%d,%d,%d,%d,%d,%d,%d,%d,%d,%.4g,%.4g,%.4g,%.5f,%.3f,%zu,%zu,\"%s\"\n",
-              r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q,
-              r.shape.heads_kv, r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim,
-              int(r.shape.causal), int(r.checked), int(r.passed), o.max_abs_err, o.rel_err,
-              lse.max_abs_err, r.timing.median_ms, r.tflops, r.io_bytes + r.workspace_bytes,
-              r.workspace_bytes, r.device.c_str());
+      "device,output_dtype,o_unrounded_rel_err,prepass_ms\n");
+  std::printf(
+      "%s,%s,%d,%d,%d,%d,%d,%d,%d,%d,%d,%.4g,%.4g,%.4g,%.5f,%.3f,%zu,%zu,\"%s\",%s,%.4g,%.5f\n",
+      r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q, r.shape.heads_kv,
+      r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim, int(r.shape.causal), int(r.checked),
+      int(r.passed), o.max_abs_err, o.rel_err, lse.max_abs_err, r.timing.median_ms, r.tflops,
+      r.io_bytes + r.workspace_bytes, r.workspace_bytes, r.device.c_str(),
+      dtype_name(r.output_dtype), r.comparison("o_unrounded").rel_err, r.prepass_median_ms);
 }
 
 void print_json(const RunReport& r) {
@@ -211,12 +223,14 @@ void print_json(const RunReport& r) {
       "\"seqlen_q\": %d, \"seqlen_k\": %d, \"head_dim\": %d, \"causal\": %s, \"checked\": %s, "
       "\"passed\": %s, \"heads_checked\": %zu, \"o_max_abs_err\": %.6g, \"o_rel_err\": %.6g, "
       "\"lse_max_abs_err\": %.6g, \"median_ms\": %.6f, \"tflops\": %.4f, \"device_bytes\": %zu, "
-      "\"workspace_bytes\": %zu, \"device\": \"%s\"}\n",
+      "\"workspace_bytes\": %zu, \"device\": \"%s\", \"output_dtype\": \"%s\", "
+      "\"o_unrounded_rel_err\": %.6g, \"prepass_ms\": %.6f}\n",
       r.chapter.c_str(), dtype_name(r.dtype), r.shape.batch, r.shape.heads_q, r.shape.heads_kv,
       r.shape.seqlen_q, r.shape.seqlen_k, r.shape.head_dim, r.shape.causal ? "true" : "false",
       r.checked ? "true" : "false", r.passed ? "true" : "false", r.heads_checked, o.max_abs_err,
       o.rel_err, lse.max_abs_err, r.timing.median_ms, r.tflops, r.io_bytes + r.workspace_bytes,
-      r.workspace_bytes, r.device.c_str());
+      r.workspace_bytes, r.device.c_str(), dtype_name(r.output_dtype),
+      r.comparison("o_unrounded").rel_err, r.prepass_median_ms);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "chapter_api.h"
 #include "compare.h"
+#include "dtype.h"
 #include "timing.h"
 
 namespace attn {
@@ -19,6 +20,13 @@ struct RunOptions {
   AttentionShape shape;
   uint64_t seed = 1234;
   float q_scale = 1.0f;  // Q ~ Normal(0, q_scale): large values make exp() overflow without the max
+  // Forward runs (forward_inputs.h): outlier channels of Q and K (1: none), a Hadamard rotation of
+  // Q and K, the scales of FP8 inputs, and a second check against the reference from the
+  // unrounded inputs (always made for FP8 chapters).
+  float outliers = 1.0f;
+  bool hadamard = false;
+  Fp8Scaling fp8_scaling = Fp8Scaling::kPerHead;
+  bool check_unrounded = false;
   bool check = true;
   bool check_all = false;         // check every (batch, head) pair, however long it takes
   double check_mac_budget = 4e9;  // otherwise sample pairs up to about this much reference work
@@ -67,7 +75,9 @@ struct RunReport {
   std::string chapter;
   ChapterKind kind = ChapterKind::kForward;
   bool deterministic = false;  // backward: ran in its deterministic mode
-  DType dtype = DType::kF32;
+  DType dtype = DType::kF32;         // of the inputs
+  DType output_dtype = DType::kF32;  // of O
+  std::string inputs_what;           // forward: outliers, rotation, FP8 scales ("" if plain)
   AttentionShape shape;
   std::string device;          // e.g. "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, CUDA 13.0)"
   std::string io_what;         // the tensors io_bytes counts, e.g. "Q, K, V, O, LSE"
@@ -85,6 +95,8 @@ struct RunReport {
   // Time.
   bool timed = false;
   Timing timing;
+  std::string prepass_what;  // the chapter's pre-pass, timed alone as well (ForwardChapter)
+  double prepass_median_ms = 0;
   double tflops = 0;   // backward: 2.5x the forward FLOPs; decode: 0 (see decode)
   DecodeFacts decode;  // decode runs only
 
