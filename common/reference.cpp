@@ -44,6 +44,7 @@ int visible_keys(int row, int seqlen_k, bool causal, int causal_offset) {
 
 constexpr int kRowsPerBlock = 64;  // query rows per piece of work: S never needs sq x sk doubles
 
+
 // Attention for query rows [first_row, last_row) of one head: q [sq x d], k and v [sk x d], all
 // row-major float; writes those rows of o [sq x d] and lse [sq]. Returns the largest |logit| the
 // rows see.
@@ -59,7 +60,11 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
     if (precision == RefPrecision::kDouble) {
       s = (q_f.middleRows(row0, rows).cast<double>() * k_d.transpose()) * scale;
     } else if (precision == RefPrecision::kPlainFp8) {
-      s = ((q_f.middleRows(row0, rows) * k_f.transpose()) * float(scale)).cast<double>();
+      s.resize(rows, sk);
+      for (int i = 0; i < rows; ++i)
+        for (int j = 0; j < sk; ++j)
+          s(i, j) = float(fp8_mma_dot(q + size_t(row0 + i) * d, k + size_t(j) * d, d)) *
+                    float(scale);
     } else {
       // Products of bf16 values are exact in float; Eigen sums them in float, like a GPU would.
       MatrixF s_f = (q_f.middleRows(row0, rows) * k_f.transpose()) * float(scale);
@@ -124,6 +129,40 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
 }
 
 }  // namespace
+
+// In a model after Khattak and
+// Mikaitis, "Accurate Models of NVIDIA Tensor Cores" (arXiv 2512.07004), who find their H100
+// accumulator keeps 13 fraction bits and truncates: for each instruction's 32 products, the
+// products and the running sum are aligned to the largest of them, each cut (toward zero) to 13
+// bits below that one's leading bit, added exactly, and the sum cut to 14 significant bits. Not
+// claimed to be bit-exact (the grouping is this model's guess); what the tolerance needs is the
+// error's size, which grows with the largest product rather than with the sum: a few outlier
+// channels make every score coarse.
+double fp8_mma_dot(const float* a, const float* b, int n) {
+  constexpr int kGroup = 32, kFractionBits = 13;
+  double acc = 0;
+  for (int c0 = 0; c0 < n; c0 += kGroup) {
+    const int count = std::min(kGroup, n - c0);
+    double product[kGroup], largest = std::abs(acc);
+    for (int c = 0; c < count; ++c) {
+      product[c] = double(a[c0 + c]) * b[c0 + c];  // exact in double
+      largest = std::max(largest, std::abs(product[c]));
+    }
+    if (largest == 0) continue;
+    int exponent;  // largest in [2^(exponent - 1), 2^exponent)
+    std::frexp(largest, &exponent);
+    const double step = std::ldexp(1.0, exponent - 1 - kFractionBits), inv = 1.0 / step;
+    double sum = std::trunc(acc * inv) * step;
+    for (int c = 0; c < count; ++c) sum += std::trunc(product[c] * inv) * step;
+    if (sum != 0) {
+      std::frexp(sum, &exponent);
+      const double unit = std::ldexp(1.0, exponent - 1 - kFractionBits);
+      sum = std::trunc(sum / unit) * unit;
+    }
+    acc = sum;
+  }
+  return acc;
+}
 
 size_t kv_head_of(const AttentionShape& shape, const HeadIndex& h) {
   return size_t(h.batch) * shape.heads_kv + h.head / shape.group_size();

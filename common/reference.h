@@ -43,11 +43,17 @@ enum class RefPrecision {
                // in float; dS = P * (dP - D) in float; dQ = scale dS K; dK = scale dS^T Q; each
                // product in float and each result rounded to bf16 (dK and dV summed over a group's
                // query heads in float and rounded once).
-  kPlainFp8,   // forward only: what a plain FP8 attention gets from inputs that are already the
-               // dequantised e4m3 values: S = scale q k^T in float (not rounded); each row's
-               // exp(S - max) in float, times 2^8, rounded to e4m3 for P V; l the float sum of the
-               // unrounded values; O = (P V) / l in float, rounded to bf16.
+  kPlainFp8,   // forward only: what a plain FP8 attention on Hopper gets from inputs that are
+               // already the dequantised e4m3 values: S = scale q k^T with q k^T summed as the FP8
+               // tensor cores sum it (fp8_mma_dot in reference.cpp, a model with 13 fraction
+               // bits), in float; each row's exp(S - max) in float, times 2^8, rounded to e4m3
+               // for P V; l the float sum of the unrounded values; O = (P V) / l in float, rounded
+               // to bf16.
 };
+
+// A dot product of n FP8 values (given as floats, e.g. dequantised e4m3) as Hopper's FP8 tensor
+// cores sum it, modelled (reference.cpp); the plain FP8 implementation's scores.
+double fp8_mma_dot(const float* a, const float* b, int n);
 
 struct ForwardReference {
   std::vector<HeadIndex> heads;  // the pairs computed, in this order
