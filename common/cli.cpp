@@ -179,7 +179,8 @@ std::string usage_text(const UsageOf& chapter) {
     s << "Runs the chapter's attention forward pass on random inputs, checks it against the Eigen\n"
       << "CPU reference, then times it. Q, K, V, O are [batch, heads, seqlen, head_dim], "
       << dtype_name(chapter.dtype);
-    if (chapter.output_dtype != chapter.dtype) s << " (O " << dtype_name(chapter.output_dtype) << ")";
+    if (chapter.output_dtype != chapter.dtype)
+      s << " (O " << dtype_name(chapter.output_dtype) << ")";
     s << ".\n\n";
   }
   if (!decode) {
@@ -210,7 +211,8 @@ std::string usage_text(const UsageOf& chapter) {
       << "                   head, F times larger (default 1: none)\n"
       << "  --hadamard       rotate the rows of Q and K by a Hadamard matrix (Q K^T unchanged)\n";
     if (chapter.dtype == DType::kE4M3)
-      s << "  --fp8-scale S    tensor or head: one scale per tensor, or per (batch, key/value head)\n"
+      s << "  --fp8-scale S    tensor or head: one scale per tensor, or per (batch, key/value "
+           "head)\n"
         << "                   (default head)\n";
   }
   s << "Check:\n"
@@ -219,7 +221,8 @@ std::string usage_text(const UsageOf& chapter) {
     s << (chapter.dtype == DType::kE4M3
               ? "                   (O and LSE are held against the reference from the rounded\n"
                 "                   inputs, and against the one from the unrounded inputs)\n"
-              : "  --check-unrounded  also hold O and LSE against the reference from the unrounded\n"
+              : "  --check-unrounded  also hold O and LSE against the reference from the "
+                "unrounded\n"
                 "                   inputs\n");
   if (backward || decode) {
     s << "  --check-all      check every (batch, key/value head) group; by default large problems\n"
@@ -258,14 +261,13 @@ std::string usage(const ForwardChapter& chapter) {
 }
 
 std::string usage(const BackwardChapter& chapter) {
-  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.dtype,
-                     chapter.head_dims, ChapterKind::kBackward, chapter.has_deterministic_mode,
-                     false});
+  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.dtype, chapter.head_dims,
+                     ChapterKind::kBackward, chapter.has_deterministic_mode, false});
 }
 
 std::string usage(const DecodeChapter& chapter) {
-  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.dtype,
-                     chapter.head_dims, ChapterKind::kDecode, false, chapter.paged});
+  return usage_text({chapter.name, chapter.summary, chapter.dtype, chapter.dtype, chapter.head_dims,
+                     ChapterKind::kDecode, false, chapter.paged});
 }
 
 }  // namespace attn

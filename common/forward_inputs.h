@@ -64,7 +64,8 @@ class ForwardInputs {
   AttentionShape shape_;
   InputOptions options_;
   DType dtype_;
-  std::vector<float> descale_[3], inverse_[3];  // inverse: 448 / amax, what quantising multiplies by
+  std::vector<float> descale_[3],
+      inverse_[3];  // inverse: 448 / amax, what quantising multiplies by
 };
 
 }  // namespace attn

@@ -44,7 +44,6 @@ int visible_keys(int row, int seqlen_k, bool causal, int causal_offset) {
 
 constexpr int kRowsPerBlock = 64;  // query rows per piece of work: S never needs sq x sk doubles
 
-
 // Attention for query rows [first_row, last_row) of one head: q [sq x d], k and v [sk x d], all
 // row-major float; writes those rows of o [sq x d] and lse [sq]. Returns the largest |logit| the
 // rows see.
@@ -63,8 +62,8 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
       s.resize(rows, sk);
       for (int i = 0; i < rows; ++i)
         for (int j = 0; j < sk; ++j)
-          s(i, j) = float(fp8_mma_dot(q + size_t(row0 + i) * d, k + size_t(j) * d, d)) *
-                    float(scale);
+          s(i, j) =
+              float(fp8_mma_dot(q + size_t(row0 + i) * d, k + size_t(j) * d, d)) * float(scale);
     } else {
       // Products of bf16 values are exact in float; Eigen sums them in float, like a GPU would.
       MatrixF s_f = (q_f.middleRows(row0, rows) * k_f.transpose()) * float(scale);
@@ -112,8 +111,7 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
       MatrixF o_f = p.cast<float>() * v_f;
       for (int i = 0; i < rows; ++i) {
         const float inv = row_sum[i] > 0 ? 1.0f / float(row_sum[i]) : 0.0f;
-        for (int c = 0; c < d; ++c)
-          o[size_t(row0 + i) * d + c] = round_to_bf16(o_f(i, c) * inv);
+        for (int c = 0; c < d; ++c) o[size_t(row0 + i) * d + c] = round_to_bf16(o_f(i, c) * inv);
       }
       continue;
     } else {

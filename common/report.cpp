@@ -17,8 +17,8 @@ std::string megabytes(size_t bytes) {
 // unrounded inputs".
 std::string display_name(const std::string& name) {
   const std::string suffix = "_unrounded";
-  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(),
-                                                  suffix) == 0)
+  if (name.size() > suffix.size() &&
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
     return display_name(name.substr(0, name.size() - suffix.size())) + " vs the unrounded inputs";
   std::string text = name;
   for (size_t i = name.rfind('d', 0) == 0 && name.size() > 1 ? 1 : 0; i < text.size(); ++i)

@@ -346,8 +346,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
       const ForwardReference& simple = dtype == DType::kF32 ? ref : plain;
       add_output(report, "o_unrounded",
                  twice_plain_tolerance(dtype_name(dtype), max_abs_difference(simple.o, exact.o),
-                                       relative_difference(simple.o, exact.o),
-                                       "unrounded inputs"),
+                                       relative_difference(simple.o, exact.o), "unrounded inputs"),
                  c.o, exact.o, where("o", d));
       add_output(report, "lse_unrounded",
                  widened_lse_tolerance(lse_tolerance(dtype, ref.max_abs_logit),
@@ -363,8 +362,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
   if (chapter.prepass && report.timed) {
     report.prepass_what = chapter.prepass_what;
     report.prepass_median_ms =
-        time_launches([&](cudaStream_t stream) { chapter.prepass(params, stream); },
-                      options.timing)
+        time_launches([&](cudaStream_t stream) { chapter.prepass(params, stream); }, options.timing)
             .median_ms;
     CUDA_CHECK_LAUNCH();
   }

@@ -73,9 +73,9 @@ struct Smem {
   static constexpr int kPanels = kHeadDim / kPanelWidth;
   static constexpr int kQPanelBytes = kConsumerRows * kPanelWidth;
   static constexpr int kKPanelBytes = kBlockN * kPanelWidth;
-  static constexpr int kTileBytes = kPanels * kQPanelBytes;    // Q of one consumer
-  static constexpr int kKTileBytes = kPanels * kKPanelBytes;   // K of one stage
-  static constexpr int kVTileBytes = kHeadDim * kBlockN;       // V^T of one stage
+  static constexpr int kTileBytes = kPanels * kQPanelBytes;   // Q of one consumer
+  static constexpr int kKTileBytes = kPanels * kKPanelBytes;  // K of one stage
+  static constexpr int kVTileBytes = kHeadDim * kBlockN;      // V^T of one stage
   static constexpr int kQ = 0, kK = Block<kHeadDim>::kConsumers * kTileBytes,
                        kV = kK + kStages * kKTileBytes;
   static constexpr size_t kBytes = kV + kStages * kVTileBytes + 1024;
@@ -120,8 +120,7 @@ __device__ void issue_qk(float (&s)[kBlockN / 2], const unsigned char* q_tile,
   for (int ks = 0; ks < kHeadDim / 32; ++ks) {
     const int panel = ks * 32 / S::kPanelWidth, column = ks * 32 % S::kPanelWidth;
     hopper::wgmma_m64n128k32(
-        s,
-        hopper::smem_descriptor<S::kPanelWidth>(q_tile + panel * S::kQPanelBytes + column, 16),
+        s, hopper::smem_descriptor<S::kPanelWidth>(q_tile + panel * S::kQPanelBytes + column, 16),
         hopper::smem_descriptor<S::kPanelWidth>(k_tile + panel * S::kKPanelBytes + column, 16),
         ks > 0);
   }
@@ -172,8 +171,8 @@ __device__ void softmax_step(float (&s)[kBlockN / 2], float (&alpha)[2], float (
       if (kMasked && kv_start + 8 * j + 2 * t + i % 2 >= row_end[i / 2]) score = -INFINITY;
       tile_max[i / 2] = fmaxf(tile_max[i / 2], score);
     }
-  float base[2];  // what the exponents are taken against: the new max times scale_log2, or 0
-                  // while it is -inf
+  float base[2];   // what the exponents are taken against: the new max times scale_log2, or 0
+                   // while it is -inf
   float shift[2];  // added in the exponent: kPScaleLog2 - base, so that P reaches 2^8
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -284,8 +283,8 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
       hopper::mbarrier_arrive_expect_tx(&q_full, B::kConsumers * S::kTileBytes);
       for (int c = 0; c < B::kConsumers; ++c)
         for (int p = 0; p < S::kPanels; ++p)
-          hopper::tma_load(smem + S::kQ + c * S::kTileBytes + p * S::kQPanelBytes, &q_map,
-                           &q_full, p * S::kPanelWidth, q_start + c * kConsumerRows, batch_head);
+          hopper::tma_load(smem + S::kQ + c * S::kTileBytes + p * S::kQPanelBytes, &q_map, &q_full,
+                           p * S::kPanelWidth, q_start + c * kConsumerRows, batch_head);
       for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
         const int stage = kv_block % kStages, use = kv_block / kStages;
         // The stage's previous fill must have been read by every consumer thread.
@@ -445,7 +444,7 @@ __global__ void __launch_bounds__(256)
   uint4 loaded = make_uint4(0, 0, 0, 0);
   if (key0 + row < seqlen_k)
     loaded = *reinterpret_cast<const uint4*>(v + (head * seqlen_k + key0 + row) * head_dim + col0 +
-                                              16 * segment);
+                                             16 * segment);
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&loaded);
 #pragma unroll
   for (int i = 0; i < 16; ++i) tile[row][16 * segment + i] = bytes[i];
@@ -465,10 +464,9 @@ inline void transpose_v(const attn::ForwardParams& params, cudaStream_t stream) 
   const int key_tiles = int((vt_keys(shape) + kTransposeTile - 1) / kTransposeTile);
   const dim3 grid(unsigned(int64_t(shape.batch) * shape.heads_kv * key_tiles),
                   unsigned(shape.head_dim / kTransposeTile));
-  transpose_v_kernel<<<grid, 256, 0, stream>>>(static_cast<const uint8_t*>(params.v),
-                                               static_cast<uint8_t*>(params.workspace),
-                                               shape.seqlen_k, shape.head_dim, vt_keys(shape),
-                                               key_tiles);
+  transpose_v_kernel<<<grid, 256, 0, stream>>>(
+      static_cast<const uint8_t*>(params.v), static_cast<uint8_t*>(params.workspace),
+      shape.seqlen_k, shape.head_dim, vt_keys(shape), key_tiles);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -491,9 +489,8 @@ void launch_for_head_dim(const attn::ForwardParams& params, cudaStream_t stream)
   const CUtensorMap q_map =
       hopper::make_tensor_map(params.q, d, shape.seqlen_q, uint64_t(shape.batch) * shape.heads_q,
                               kConsumerRows, S::kPanelWidth);
-  const CUtensorMap k_map =
-      hopper::make_tensor_map(params.k, d, shape.seqlen_k, uint64_t(shape.batch) * shape.heads_kv,
-                              kBlockN, S::kPanelWidth);
+  const CUtensorMap k_map = hopper::make_tensor_map(
+      params.k, d, shape.seqlen_k, uint64_t(shape.batch) * shape.heads_kv, kBlockN, S::kPanelWidth);
   const CUtensorMap vt_map =
       hopper::make_tensor_map(params.workspace, uint64_t(vt_keys(shape)), d,
                               uint64_t(shape.batch) * shape.heads_kv, kHeadDim, kBlockN);

@@ -53,11 +53,11 @@ inline CUtensorMap make_tensor_map(const void* base, uint64_t cols, uint64_t row
   const cuuint64_t strides[2] = {cols, rows * cols};  // bytes, of dims 1 and 2
   const cuuint32_t box[3] = {box_cols, box_rows, 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result = encode(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      box_cols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult result =
+      encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             box_cols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS)
     throw attn::CudaError(cudaErrorInvalidValue,
                           "cuTensorMapEncodeTiled refused a tensor map (error " +
@@ -229,10 +229,11 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
 }
 
-// D (64 x 64, fp32, 32 registers per thread) = A B (+ D when accumulate), A from registers (the "RS" form):
-// a[0..3] hold the warp's 16 x 32 slice of the 64 x 32 e4m3 A, four values to a register, lowest
-// k in the lowest byte: a0 row g, k 4t .. 4t + 3; a1 row g + 8, the same k; a2 and a3 the same
-// rows, k 16 + 4t .. 16 + 4t + 3. B (32 x 64 e4m3) is K-major in shared memory.
+// D (64 x 64, fp32, 32 registers per thread) = A B (+ D when accumulate), with A from
+// registers (the "RS" form): a[0..3] hold the warp's 16 x 32 slice of the 64 x 32 e4m3 A, four
+// values to a register, lowest k in the lowest byte: a0 row g, k 4t .. 4t + 3; a1 row g + 8, the
+// same k; a2 and a3 the same rows, k 16 + 4t .. 16 + 4t + 3. B (32 x 64 e4m3) is K-major in
+// shared memory.
 __device__ __forceinline__ void wgmma_m64n64k32_rs(float (&d)[32], const uint32_t (&a)[4],
                                                    uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -252,12 +253,13 @@ __device__ __forceinline__ void wgmma_m64n64k32_rs(float (&d)[32], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
 }
 
-// D (64 x 128, fp32, 64 registers per thread) = A B (+ D when accumulate), A from registers (the "RS" form):
-// a[0..3] hold the warp's 16 x 32 slice of the 64 x 32 e4m3 A, four values to a register, lowest
-// k in the lowest byte: a0 row g, k 4t .. 4t + 3; a1 row g + 8, the same k; a2 and a3 the same
-// rows, k 16 + 4t .. 16 + 4t + 3. B (32 x 128 e4m3) is K-major in shared memory.
+// D (64 x 128, fp32, 64 registers per thread) = A B (+ D when accumulate), with A from
+// registers (the "RS" form): a[0..3] hold the warp's 16 x 32 slice of the 64 x 32 e4m3 A, four
+// values to a register, lowest k in the lowest byte: a0 row g, k 4t .. 4t + 3; a1 row g + 8, the
+// same k; a2 and a3 the same rows, k 16 + 4t .. 16 + 4t + 3. B (32 x 128 e4m3) is K-major in
+// shared memory.
 __device__ __forceinline__ void wgmma_m64n128k32_rs(float (&d)[64], const uint32_t (&a)[4],
-                                                   uint64_t desc_b, bool accumulate) {
+                                                    uint64_t desc_b, bool accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -282,12 +284,13 @@ __device__ __forceinline__ void wgmma_m64n128k32_rs(float (&d)[64], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
 }
 
-// D (64 x 256, fp32, 128 registers per thread) = A B (+ D when accumulate), A from registers (the "RS" form):
-// a[0..3] hold the warp's 16 x 32 slice of the 64 x 32 e4m3 A, four values to a register, lowest
-// k in the lowest byte: a0 row g, k 4t .. 4t + 3; a1 row g + 8, the same k; a2 and a3 the same
-// rows, k 16 + 4t .. 16 + 4t + 3. B (32 x 256 e4m3) is K-major in shared memory.
+// D (64 x 256, fp32, 128 registers per thread) = A B (+ D when accumulate), with A from
+// registers (the "RS" form): a[0..3] hold the warp's 16 x 32 slice of the 64 x 32 e4m3 A, four
+// values to a register, lowest k in the lowest byte: a0 row g, k 4t .. 4t + 3; a1 row g + 8, the
+// same k; a2 and a3 the same rows, k 16 + 4t .. 16 + 4t + 3. B (32 x 256 e4m3) is K-major in
+// shared memory.
 __device__ __forceinline__ void wgmma_m64n256k32_rs(float (&d)[128], const uint32_t (&a)[4],
-                                                   uint64_t desc_b, bool accumulate) {
+                                                    uint64_t desc_b, bool accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"

@@ -65,8 +65,8 @@ TEST_CASE("outlier channels: channels 7 and d/2 + 7 of Q and K in every fourth k
     const std::vector<float> x = made(a, t, false, false), y = made(b, t, false, false);
     for (size_t i = 0; i < x.size(); ++i) {
       const size_t channel = i % 64, kv_head = a.group_of(t, i) % shape.heads_kv;
-      const bool outlier = t != ForwardTensor::kV && kv_head % 4 == 0 &&
-                           (channel == 7 || channel == 32 + 7);
+      const bool outlier =
+          t != ForwardTensor::kV && kv_head % 4 == 0 && (channel == 7 || channel == 32 + 7);
       if (y[i] != (outlier ? x[i] * 100.0f : x[i])) {
         CAPTURE(i);
         FAIL("element " << i << " of tensor " << int(t));
@@ -211,9 +211,9 @@ TEST_CASE("input options a shape cannot take are refused in one sentence") {
 }
 
 TEST_CASE("the input options on the command line: forward chapters only") {
-  const CliOptions cli = parse_cli({"--outliers", "20", "--hadamard", "--fp8-scale", "tensor",
-                                    "--check-unrounded"},
-                                   ChapterKind::kForward);
+  const CliOptions cli =
+      parse_cli({"--outliers", "20", "--hadamard", "--fp8-scale", "tensor", "--check-unrounded"},
+                ChapterKind::kForward);
   CHECK(cli.run.outliers == 20.0f);
   CHECK(cli.run.hadamard);
   CHECK(cli.run.fp8_scaling == Fp8Scaling::kPerTensor);
