@@ -52,7 +52,8 @@ enum class RefPrecision {
 };
 
 // A dot product of n FP8 values (given as floats, e.g. dequantised e4m3) as Hopper's FP8 tensor
-// cores sum it, modelled (reference.cpp); the plain FP8 implementation's scores.
+// cores sum it, modelled (reference.cpp: fitted to an H100); the plain FP8 implementation's
+// scores.
 double fp8_mma_dot(const float* a, const float* b, int n);
 
 struct ForwardReference {

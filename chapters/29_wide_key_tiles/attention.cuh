@@ -85,6 +85,8 @@ struct Smem {
                     kQPanelBytes % 1024 == 0 && kKPanelBytes % 1024 == 0 &&
                     kVPanelBytes % 1024 == 0,
                 "tiles on 1024-byte boundaries");
+  // Whole panels of V^T, and whole 32-key k steps (pack_p, issue_pv).
+  static_assert(kBlockN % kVPanelWidth == 0 && kBlockN % 32 == 0, "a tile of whole panels");
 };
 
 // ---------------------------------------------------------------------------------------------
