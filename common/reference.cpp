@@ -99,6 +99,8 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
         for (int j = 0; j < visible; ++j)
           p(i, j) = round_to_bf16(std::exp(float(seen(j) - row_max)) / sum_f);
         row_sum[i] = 1.0;  // P is already normalised
+        lse[row0 + i] = row_max + std::log(double(sum_f));  // the float sum's
+        continue;
       }
       lse[row0 + i] = row_max + std::log(row_sum[i]) -
                       (precision == RefPrecision::kPlainFp8 ? std::log(256.0) : 0.0);

@@ -268,6 +268,9 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
   }
   o_dev.poison();
   lse_dev.poison();
+  // The workspace is the chapter's to fill: NaN in whatever it reads without writing first.
+  if (report.workspace_bytes)
+    CUDA_CHECK(cudaMemset(workspace.get(), 0xFF, report.workspace_bytes));
 
   ForwardParams params;
   params.shape = shape;
