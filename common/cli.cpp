@@ -245,7 +245,8 @@ std::string usage_text(const UsageOf& chapter) {
     << "  --save DIR       write "
     << (backward ? "q, k, v, o, lse, dout, dq, dk, dv"
         : decode ? "q, o, lse, seqlens_k, the cache (k, v, and block_table if paged)"
-                 : "q, k, v, o, lse")
+        : chapter.dtype == DType::kE4M3 ? "q, k, v (as stored), their descales, o, lse"
+                                        : "q, k, v, o, lse")
     << " to DIR as float32 .npy files\n"
     << "  -h, --help       this text\n\n"
     << "Exit status: 0 pass, 1 check failed, 2 bad option, unsupported shape, or too large for\n"

@@ -209,8 +209,8 @@ InputOptions forward_input_options(const RunOptions& options) {
   return o;
 }
 
-// "" for plain normal inputs, else e.g. "outlier channels x20, Hadamard-rotated Q and K, e4m3
-// with per-head scales".
+// "" for plain normal inputs, else e.g. "outlier channels x20 in every fourth key/value head, Q and
+// K rotated by a Hadamard matrix, e4m3 with per-head scales".
 std::string describe_inputs(const InputOptions& o, bool fp8) {
   std::vector<std::string> parts;
   if (o.outliers != 1.0f) {
@@ -269,8 +269,7 @@ RunReport run_forward(const ForwardChapter& chapter, const RunOptions& options) 
   o_dev.poison();
   lse_dev.poison();
   // The workspace is the chapter's to fill: NaN in whatever it reads without writing first.
-  if (report.workspace_bytes)
-    CUDA_CHECK(cudaMemset(workspace.get(), 0xFF, report.workspace_bytes));
+  if (report.workspace_bytes) CUDA_CHECK(cudaMemset(workspace.get(), 0xFF, report.workspace_bytes));
 
   ForwardParams params;
   params.shape = shape;
