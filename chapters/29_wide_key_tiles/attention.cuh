@@ -14,6 +14,12 @@
 //
 // Head_dim 64 and 256 keep 128 keys: at 64 the three consumers' 160 registers have no room for a
 // wider S, and at 256 three stages of 192-key K and V^T tiles (288 KB) exceed shared memory.
+//
+// Everything else is chapter 28's: e4m3 operands with their descales, V^T from the pre-pass with
+// its keys permuted within each 16, P scaled by 2^8 and packed without shuffles; the producer, the
+// 3-stage ring and the consumers' turns of chapters 23-27. Accumulator layout: warp w of a
+// consumer owns rows 16 w .. 16 w + 15 of its 64, and lane 4 g + t holds columns 8 j + 2 t, + 1 of
+// its rows 16 w + g and 16 w + g + 8.
 #pragma once
 
 #include <cmath>
