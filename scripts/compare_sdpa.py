@@ -24,7 +24,12 @@ are expanded to Hq heads beforehand, and the GB/s still count the unexpanded byt
 says which). Only records of one new token and one cache length for every sequence are compared.
 
 Everything it writes goes under build/ unless told otherwise: the course's own plots are made with
-`--plot docs/ladder.png` (docs/benchmarks.md, "Reproduce").
+`--plot docs/ladder.png` (docs/benchmarks.md, "Reproduce"). `--replot COMPARISON_CSV` draws the
+plot of a forward or backward comparison written earlier (a record of docs/measurements), with
+neither a GPU nor PyTorch:
+
+    python3 scripts/compare_sdpa.py --replot docs/measurements/comparison-fp8-h100-2026-11-23-5b8b12e.csv \
+        --plot build/ladder-fp8.png
 
 Timing follows the chapters' convention (common/timing.cpp): CUDA events around each launch,
 10 warm-up launches, the median of 50. FLOPs: 4 * B * H * N^2 * D, halved for causal (and times
@@ -340,12 +345,41 @@ def plot_decode(rows, path):
     save(fig, axes, path)
 
 
+def replot(path, png, title):
+    """The plot of a comparison CSV this script wrote before (forward or backward records)."""
+    if not png:
+        sys.exit("compare_sdpa.py: --replot needs --plot PNG")
+    with open(path) as f:
+        records = list(csv.DictReader(f))
+    if not records or "tflops" not in records[0]:
+        sys.exit(f"compare_sdpa.py: {path} holds no forward or backward comparison records")
+    rows = []
+    for r in records:
+        row = dict(r)
+        for key in ("head_dim", "seqlen", "causal"):
+            row[key] = int(r[key])
+        for key in ("tflops", "fa2", "cudnn"):
+            row[key] = float(r[key]) if r[key] not in ("", "nan") else float("nan")
+        rows.append(row)
+    plot(rows, png, title)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("ladder_csv", help="output of scripts/ladder --grid")
+    parser.add_argument("ladder_csv", nargs="?", help="output of scripts/ladder --grid")
     parser.add_argument("--out", default="build/comparison.csv")
     parser.add_argument("--plot", default="", help="PNG path for the ladder plot")
+    parser.add_argument("--replot", default="", metavar="COMPARISON_CSV",
+                        help="only draw --plot from a forward or backward comparison CSV")
+    parser.add_argument("--title", default="", help="with --replot: a prefix of each panel's title "
+                        "(e.g. 'backward, ')")
     args = parser.parse_args()
+
+    if args.replot:
+        replot(args.replot, args.plot, args.title)
+        return
+    if not args.ladder_csv:
+        parser.error("give the ladder CSV (or --replot COMPARISON_CSV --plot PNG)")
 
     if not os.path.exists(args.ladder_csv):
         sys.exit(f"compare_sdpa.py: {args.ladder_csv} not found: make it first with "
