@@ -13,6 +13,12 @@ uint64_t stream_of(ForwardTensor t) {
 
 bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
+// Inputs are made in pieces of about kInputPieceElements, in whole rows: a row lies in one group,
+// and the rotation needs all of it.
+size_t piece_elements(size_t head_dim) {
+  return std::max(head_dim, kInputPieceElements / head_dim * head_dim);
+}
+
 }  // namespace
 
 std::string validate_inputs(const AttentionShape& shape, const InputOptions& options) {
@@ -41,18 +47,18 @@ ForwardInputs::ForwardInputs(const AttentionShape& shape, const InputOptions& op
     : shape_(shape), options_(options), dtype_(dtype) {
   if (dtype != DType::kE4M3) return;
   const size_t groups = size_t(shape.batch) * shape.heads_kv, d = shape.head_dim;
-  const size_t piece_elements = std::max(d, kInputPieceElements / d * d);
-  std::vector<float> piece;
+  const size_t piece = piece_elements(d);
+  std::vector<float> values;
   for (int t = 0; t < 3; ++t) {
     const ForwardTensor tensor = ForwardTensor(t);
     std::vector<float> amax(groups, 0.0f);
-    for (size_t first = 0; first < elements(tensor); first += piece_elements) {
-      const size_t count = std::min(piece_elements, elements(tensor) - first);
-      piece.resize(count);
-      make_unrounded(tensor, piece.data(), count, first);
+    for (size_t first = 0; first < elements(tensor); first += piece) {
+      const size_t count = std::min(piece, elements(tensor) - first);
+      values.resize(count);
+      make_unrounded(tensor, values.data(), count, first);
       for (size_t i = 0; i < count; i += d) {  // a row lies in one group
         float& m = amax[group_of(tensor, first + i)];
-        for (size_t c = 0; c < d; ++c) m = std::max(m, std::fabs(piece[i + c]));
+        for (size_t c = 0; c < d; ++c) m = std::max(m, std::fabs(values[i + c]));
       }
     }
     if (options.fp8_scaling == Fp8Scaling::kPerTensor)
@@ -111,7 +117,7 @@ void ForwardInputs::round(ForwardTensor t, float* values, size_t count, size_t f
 
 void ForwardInputs::upload(ForwardTensor t, DeviceTensor& tensor) const {
   const size_t d = shape_.head_dim;
-  std::vector<float> piece(std::min(tensor.count(), std::max(d, kInputPieceElements / d * d)));
+  std::vector<float> piece(std::min(tensor.count(), piece_elements(d)));
   for (size_t first = 0; first < tensor.count(); first += piece.size()) {
     const size_t count = std::min(piece.size(), tensor.count() - first);
     make_unrounded(t, piece.data(), count, first);
