@@ -4,6 +4,7 @@
 // Nothing in here is part of the lesson.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <vector>
 
@@ -49,6 +50,13 @@ struct ForwardChapter {
   // V transposed into the workspace); null if none. launch runs it itself: the total is timed.
   void (*prepass)(const ForwardParams& params, cudaStream_t stream) = nullptr;
   const char* prepass_what = "";
+  // The largest |logit| (scale x q.k) its softmax is built for. A kernel that takes each exponent
+  // as one FMA, s c - m c with m c rounded to float, shares that rounding r between the scores of
+  // a row: every P carries 2^r, which O / l cancels until it leaves P's range. In float (chapters
+  // 06-14 and 27) that happens past logits of ~1.5e9, in e4m3 with P scaled to 2^8 (28-29) past
+  // ~1.2e7: chapter 06's README, "How far the fold holds", and chapter 28's. The tests run logits
+  // of 1e6, 1e8 and 1e10 (tests/gpu/forward_cases.cpp) and expect those above this to fail.
+  float largest_logits = INFINITY;
 };
 
 // The backward pass: the gradients of a loss L with respect to q, k and v, given dO = dL/dO. O and

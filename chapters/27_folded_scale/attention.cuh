@@ -432,6 +432,7 @@ inline attn::ForwardChapter chapter() {
                          "",
                          launch};
   c.arch_specific = 90;  // built for sm_90a: wgmma and TMA run on compute capability 9.0 only
+  c.largest_logits = 1e9f;  // the exponent's FMA shares m c's rounding (README)
   return c;
 }
 

@@ -524,6 +524,7 @@ inline attn::ForwardChapter chapter() {
   c.output_dtype = attn::DType::kBF16;
   c.prepass = transpose_v;
   c.prepass_what = "the pre-pass (V transposed)";
+  c.largest_logits = 1e7f;  // beyond, m c's rounding saturates P (chapter 28's README)
   return c;
 }
 

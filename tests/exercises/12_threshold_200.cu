@@ -21,7 +21,9 @@ TEST_CASE("with a threshold of 200, the large-logit cases overflow and nothing e
   const attn::ForwardChapter chapter = CHAPTER_NAMESPACE::chapter();
   int large_logit_cases = 0;
   for (const attn::test::ForwardCase& c : attn::test::forward_cases(chapter)) {
-    if (!c.expect_pass) continue;
+    // The outlier cases' row maxima jump by millions from block to block: they rescale at any
+    // threshold, and overflow or not by chance.
+    if (!c.expect_pass || c.options.outliers != 1.0f) continue;
     INFO(c.name);
     const attn::RunReport report = attn::run_forward(chapter, c.options);
     if (c.options.q_scale > 1.0f) {

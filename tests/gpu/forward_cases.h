@@ -13,15 +13,18 @@ namespace attn::test {
 struct ForwardCase {
   std::string name;
   RunOptions options;
-  bool expect_pass = true;  // false only where the chapter's lesson is the failure (01, overflow)
+  // False where the chapter is built to fail the case: 01 at large logits (its lesson: exp()
+  // overflows without the max), and any chapter past its ForwardChapter::largest_logits.
+  bool expect_pass = true;
 };
 
-// The shapes of edge_cases.h at every supported head_dim, and for the bf16 chapters a million
-// keys; every case draws fresh inputs from its own seed.
+// The shapes of edge_cases.h at every supported head_dim; for the bf16 chapters a million keys;
+// for the bf16 and e4m3 chapters logits of 1e6, 1e8 and 1e10; for the e4m3 chapters outlier
+// channels with and without the Hadamard rotation. Every case draws fresh inputs from its own seed.
 std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter);
 
-// Runs the chapter over every case of forward_cases() and CHECKs (doctest) that each one passes:
-// the check of an exercise whose edit must leave the chapter correct.
+// Runs the chapter over every case of forward_cases() it is built to pass and CHECKs (doctest)
+// that each one passes: the check of an exercise whose edit must leave the chapter correct.
 void check_every_case_passes(const ForwardChapter& chapter);
 
 }  // namespace attn::test
