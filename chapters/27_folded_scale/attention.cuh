@@ -164,7 +164,10 @@ __device__ void softmax_step(float (&s)[kBlockN / 2], float (&alpha)[2], float (
   for (int half = 0; half < 2; ++half) {
     const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]));
     base[half] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
-    alpha[half] = exp2_fast(row_max[half] * scale_log2 - base[half]);
+    // m_old c rounded as base was: when the max did not move, the same float, and alpha exactly
+    // 1. Written as row_max * scale_log2 - base, the compiler fuses it into an FFMA whose product
+    // is exact: alpha = 1 + (the rounding of m c), on every tile (chapter 06's README).
+    alpha[half] = exp2_fast(__fmul_rn(row_max[half], scale_log2) - base[half]);
     row_max[half] = new_max;
     row_sum[half] *= alpha[half];
   }
@@ -377,7 +380,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
           o_acc[4 * j + 2 * half] * inv_l, o_acc[4 * j + 2 * half + 1] * inv_l);
     if (t == 0)
       lse[head_row0 + query] =
-          l > 0.0f ? (row_max[half] * scale_log2 + log2f(l)) / kLog2e : -INFINITY;
+          l > 0.0f ? (__fmul_rn(row_max[half], scale_log2) + log2f(l)) / kLog2e : -INFINITY;
   }
 }
 
@@ -431,7 +434,7 @@ inline attn::ForwardChapter chapter() {
                          workspace_bytes,
                          "",
                          launch};
-  c.arch_specific = 90;  // built for sm_90a: wgmma and TMA run on compute capability 9.0 only
+  c.arch_specific = 90;     // built for sm_90a: wgmma and TMA run on compute capability 9.0 only
   c.largest_logits = 1e9f;  // the exponent's FMA shares m c's rounding (README)
   return c;
 }

@@ -193,7 +193,10 @@ __device__ void softmax_step(float (&s)[kBlockN / 2], float (&alpha)[2], float (
     const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]));
     base[half] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
     shift[half] = kPScaleLog2 - base[half];
-    alpha[half] = exp2_fast(row_max[half] * scale_log2 - base[half]);
+    // m_old c rounded as base was: when the max did not move, the same float, and alpha exactly
+    // 1. Written as row_max * scale_log2 - base, the compiler fuses it into an FFMA whose product
+    // is exact: alpha = 1 + (the rounding of m c), on every tile (chapter 06's README).
+    alpha[half] = exp2_fast(__fmul_rn(row_max[half], scale_log2) - base[half]);
     row_max[half] = new_max;
     row_sum[half] *= alpha[half];
   }
@@ -427,7 +430,8 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
           o_acc[4 * j + 2 * half] * inv_l, o_acc[4 * j + 2 * half + 1] * inv_l);
     if (t == 0)
       lse[head_row0 + query] =
-          l > 0.0f ? (row_max[half] * scale_log2 + log2f(l) - kPScaleLog2) / kLog2e : -INFINITY;
+          l > 0.0f ? (__fmul_rn(row_max[half], scale_log2) + log2f(l) - kPScaleLog2) / kLog2e
+                   : -INFINITY;
   }
 }
 

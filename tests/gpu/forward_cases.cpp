@@ -30,18 +30,20 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
     cases.push_back(c);
   };
   for (const EdgeShape& edge : edge_shapes(tested_head_dims(chapter))) add(edge);
-  // A million keys (and 7) for a few queries: an error the kernel makes once per block of keys
-  // adds up over ~33000 blocks and becomes visible, even when it is one rounding per block. The
-  // log-sum-exp sees it first: a drift of l by 1e-7 per block is 3e-3 here, twice its tolerance
-  // (1e-4 * |LSE| with LSE about 14), while O's elements are too small (~1e-3) to show it. It found
-  // one: an alpha of 1 + 1e-7 on every block, which O / l cancels and the LSE keeps
-  // (docs/benchmarks.md, "A drift that only a long sequence shows"). Only for the bf16 chapters,
-  // whose per-block bookkeeping in registers is what this case is for; the fp32 chapters were not
-  // run on it (their 1e-5 tolerance was not set for sums of a million terms).
+  // A million keys (and 7) for a few queries, Q x 2.5 (logits up to about 13): an error the
+  // kernel makes once per block of keys adds up over 8,000-33,000 blocks and becomes visible, even
+  // when it is one rounding per block. The log-sum-exp sees it first, while O's elements are too
+  // small (~1e-3) to show it. It found an alpha of 1 + r instead of 1 on every block whose max did
+  // not move (r: the rounding of m x scale), which O / l cancels and the LSE keeps: in chapter 06
+  // with 32-key blocks (3.8e-3 off at Q x 1, twice the tolerance of 1e-4 * |LSE|), and in chapters
+  // 27-29, whose 128-key tiles made the sum 4x smaller and hid it at Q x 1; Q x 2.5 makes r 4x
+  // larger (docs/benchmarks.md, "A drift that only a long sequence shows"). Only for the bf16
+  // chapters, whose per-block bookkeeping in registers is what this case is for; the fp32 chapters
+  // were not run on it (their 1e-5 tolerance was not set for sums of a million terms).
   if (chapter.dtype == DType::kBF16) {
     const AttentionShape long_keys =
         make_shape(1, 8, 1, 33, (1 << 20) + 7, tested_head_dims(chapter).back());
-    add({long_keys, 1.0f, long_keys.describe()});
+    add({long_keys, 2.5f, long_keys.describe() + ", Q x 2.5"});
   }
   // FP8 chapters, at every head dim: inputs with outlier channels (x6: logits up to about 50),
   // under one scale per tensor, and with the Hadamard rotation, on a shape whose lengths fill no
@@ -59,14 +61,18 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
                                           : ", outliers x6, Hadamard, per-head scales";
       }
   }
-  // Logits of about 1e6, 1e8 and 1e10 (outlier channels x1e3, x1e4 and x1e5 in the first
-  // key/value head), causal with lengths that fill no tile, at every head dim: far past any real
-  // logits, but a plain softmax gets them right. A kernel whose exponents share the rounding of
-  // m c within a row does not beyond some size, and declares it (ForwardChapter::largest_logits):
-  // there the case must fail, so that the limit its README states is the one it has. The fp32
-  // chapters are not run on it (their fixed tolerance was not set for logits this large).
+  // Logits of about 1e6 and 1e8 (outlier channels x1e3 and x1e4 in the first key/value head),
+  // causal with lengths that fill no tile, at every head dim: far past any real logits, but a
+  // plain softmax gets them right. A kernel whose exponents share the rounding of m c within a row
+  // does not beyond some size, and declares it (ForwardChapter::largest_logits): there the case
+  // must fail, so that the limit its README states is the one it has. Logits of 1e10 (x1e5) only
+  // where the limit is lower: there float's rounding of the scores (~600 in logit units) leaves
+  // even a right kernel's O about 1% from the double reference, the edge of the bf16 rule, so
+  // only a failure is a sure outcome. The fp32 chapters are not run on it (their fixed tolerance
+  // was not set for logits this large).
   if (chapter.survives_large_logits && chapter.dtype != DType::kF32) {
-    for (float outliers : {1e3f, 1e4f, 1e5f})
+    for (float outliers : {1e3f, 1e4f, 1e5f}) {
+      if (outliers * outliers > 1e9f && chapter.largest_logits > 1e9f) continue;
       for (int d : tested_head_dims(chapter)) {
         const AttentionShape shape = make_shape(1, 8, 8, 333, 1000, d, true);
         const float logits = outliers * outliers;
@@ -77,6 +83,7 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
         cases.back().options.outliers = outliers;
         cases.back().expect_pass = logits <= chapter.largest_logits;
       }
+    }
   }
   return cases;
 }
