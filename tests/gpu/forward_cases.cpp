@@ -30,7 +30,7 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
     cases.push_back(c);
   };
   for (const EdgeShape& edge : edge_shapes(tested_head_dims(chapter))) add(edge);
-  // A million keys (and 7) for a few queries, Q x 2.5 (logits up to about 13): an error the
+  // A million keys (and 7) for a few queries, Q x 2.5 (logits up to about 16): an error the
   // kernel makes once per block of keys adds up over 8,000-33,000 blocks and becomes visible, even
   // when it is one rounding per block. The log-sum-exp sees it first, while O's elements are too
   // small (~1e-3) to show it. It found an alpha of 1 + r instead of 1 on every block whose max did
@@ -66,7 +66,7 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
   // plain softmax gets them right. A kernel whose exponents share the rounding of m c within a row
   // does not beyond some size, and declares it (ForwardChapter::largest_logits): there the case
   // must fail, so that the limit its README states is the one it has. Logits of 1e10 (x1e5) only
-  // where the limit is lower: there float's rounding of the scores (~600 in logit units) leaves
+  // for chapters whose limit is below them: there float's rounding of the scores (~600) leaves
   // even a right kernel's O about 1% from the double reference, the edge of the bf16 rule, so
   // only a failure is a sure outcome. The fp32 chapters are not run on it (their fixed tolerance
   // was not set for logits this large).
