@@ -54,9 +54,9 @@ struct ForwardChapter {
   // as one FMA, s c - m c with m c rounded to float, shares that rounding r between the scores of
   // a row: every P carries 2^r, which O / l cancels until it leaves P's range. In float (chapters
   // 06-14 and 27) that happens past logits of ~1.5e9, in e4m3 with P scaled to 2^8 (28-29) past
-  // ~1.2e7: chapter 06's README, "How far the fold holds", and chapter 28's. The tests run logits
-  // of 1e6 and 1e8, and 1e10 below a limit (tests/gpu/forward_cases.cpp), and expect those above
-  // this to fail.
+  // ~1.2e7: chapter 06's README, "How far the fold holds", and chapter 28's. The GPU tests of the
+  // bf16 and e4m3 chapters run logits of 1e6 and 1e8, and 1e10 for chapters whose limit is below
+  // it (tests/gpu/forward_cases.cpp), and expect the cases above this limit to fail.
   float largest_logits = INFINITY;
 };
 

@@ -181,7 +181,7 @@ __device__ void softmax_step(float (&s)[kBlockN / 2], float (&alpha)[2], float (
     shift[half] = kPScaleLog2 - base[half];
     // m_old c rounded as base was: when the max did not move, the same float, and alpha exactly
     // 1. Written as row_max * scale_log2 - base, the compiler fuses it into an FFMA whose product
-    // is exact: alpha = 1 + (the rounding of m c), on every tile (chapter 06's README).
+    // is exact: alpha = 2^(the rounding of m c), on every tile (chapter 06's README).
     alpha[half] = exp2_fast(__fmul_rn(row_max[half], scale_log2) - base[half]);
     row_max[half] = new_max;
     row_sum[half] *= alpha[half];

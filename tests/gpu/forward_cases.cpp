@@ -33,11 +33,12 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
   // A million keys (and 7) for a few queries, Q x 2.5 (logits up to about 16): an error the
   // kernel makes once per block of keys adds up over 8,000-33,000 blocks and becomes visible, even
   // when it is one rounding per block. The log-sum-exp sees it first, while O's elements are too
-  // small (~1e-3) to show it. It found an alpha of 1 + r instead of 1 on every block whose max did
+  // small (~1e-3) to show it. It found an alpha of 2^r instead of 1 on every block whose max did
   // not move (r: the rounding of m x scale), which O / l cancels and the LSE keeps: in chapter 06
-  // with 32-key blocks (3.8e-3 off at Q x 1, twice the tolerance of 1e-4 * |LSE|), and in chapters
-  // 27-29, whose 128-key tiles made the sum 4x smaller and hid it at Q x 1; Q x 2.5 makes r 4x
-  // larger (docs/benchmarks.md, "A drift that only a long sequence shows"). Only for the bf16
+  // with 32-key blocks (3.8e-3 off at Q x 1, 2.5x the tolerance of 1e-4 + 1e-4 * |LSE|), and in
+  // chapter 27, whose 128-key tiles made the sum 4x smaller and hid it at Q x 1; Q x 2.5 makes r
+  // 2-4x larger (docs/benchmarks.md, "A drift that only a long sequence shows"). The FP8 chapters
+  // 28-29 had it too and do not run this case (chapter 28's README, "Long rows"). Only for the bf16
   // chapters, whose per-block bookkeeping in registers is what this case is for; the fp32 chapters
   // were not run on it (their 1e-5 tolerance was not set for sums of a million terms).
   if (chapter.dtype == DType::kBF16) {
@@ -61,7 +62,7 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
                                           : ", outliers x6, Hadamard, per-head scales";
       }
   }
-  // Logits of about 1e6 and 1e8 (outlier channels x1e3 and x1e4 in the first key/value head),
+  // Logits of about 1e6 and 1e8 (outlier channels x1e3 and x1e4 in every fourth key/value head),
   // causal with lengths that fill no tile, at every head dim: far past any real logits, but a
   // plain softmax gets them right. A kernel whose exponents share the rounding of m c within a row
   // does not beyond some size, and declares it (ForwardChapter::largest_logits): there the case
