@@ -18,10 +18,9 @@ struct ForwardCase {
   bool expect_pass = true;
 };
 
-// The shapes of edge_cases.h at every supported head_dim; for the bf16 chapters a million keys;
-// for the bf16 and e4m3 chapters logits of 1e6 and 1e8 (and 1e10 where they are to fail); for the
-// e4m3 chapters outlier channels with and without the Hadamard rotation. Every case draws fresh
-// inputs from its own seed.
+// The shapes of edge_cases.h at every supported head_dim; for the bf16 and e4m3 chapters a million
+// keys and logits of 1e6 and 1e8 (and 1e10 where they are to fail); for the e4m3 chapters outlier
+// channels with and without the Hadamard rotation. Every case draws fresh inputs from its own seed.
 std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter);
 
 // Runs the chapter over every case of forward_cases() it is built to pass and CHECKs (doctest)
