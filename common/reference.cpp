@@ -52,13 +52,15 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
                    RefPrecision precision, double* o, double* lse) {
   ConstMapF q_f(q, sq, d), k_f(k, sk, d), v_f(v, sk, d);
   const MatrixD k_d = k_f.cast<double>(), v_d = v_f.cast<double>();
+  const bool plain_fp8 =
+      precision == RefPrecision::kPlainFp8 || precision == RefPrecision::kPlainFp8PvSum;
   double max_abs_logit = 0;
   for (int row0 = first_row; row0 < last_row; row0 += kRowsPerBlock) {
     const int rows = std::min(kRowsPerBlock, last_row - row0);
     MatrixD s;
     if (precision == RefPrecision::kDouble) {
       s = (q_f.middleRows(row0, rows).cast<double>() * k_d.transpose()) * scale;
-    } else if (precision == RefPrecision::kPlainFp8) {
+    } else if (plain_fp8) {
       s.resize(rows, sk);
       for (int i = 0; i < rows; ++i)
         for (int j = 0; j < sk; ++j)
@@ -83,7 +85,7 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
       if (precision == RefPrecision::kDouble) {
         p.row(i).head(visible) = (seen.array() - row_max).exp().matrix();
         row_sum[i] = p.row(i).sum();
-      } else if (precision == RefPrecision::kPlainFp8) {
+      } else if (plain_fp8) {
         // exp in float scaled by 2^8, rounded to e4m3 for P V; the sum of the unrounded values.
         float sum_f = 0;
         for (int j = 0; j < visible; ++j) {
@@ -98,19 +100,28 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
         for (int j = 0; j < visible; ++j) sum_f += std::exp(float(seen(j) - row_max));
         for (int j = 0; j < visible; ++j)
           p(i, j) = round_to_bf16(std::exp(float(seen(j) - row_max)) / sum_f);
-        row_sum[i] = 1.0;  // P is already normalised
+        row_sum[i] = 1.0;                                   // P is already normalised
         lse[row0 + i] = row_max + std::log(double(sum_f));  // the float sum's
         continue;
       }
-      lse[row0 + i] = row_max + std::log(row_sum[i]) -
-                      (precision == RefPrecision::kPlainFp8 ? std::log(256.0) : 0.0);
+      lse[row0 + i] = row_max + std::log(row_sum[i]) - (plain_fp8 ? std::log(256.0) : 0.0);
     }
     MatrixD o_block;
     if (precision == RefPrecision::kDouble) {
       o_block = p * v_d;
-    } else if (precision == RefPrecision::kPlainFp8) {
-      // O = (P V) / l in float, rounded to bf16 once.
-      MatrixF o_f = p.cast<float>() * v_f;
+    } else if (plain_fp8) {
+      // O = (P V) / l in float, rounded to bf16 once; P V summed in float, or as the tensor
+      // cores sum it, each channel's products along the keys.
+      MatrixF o_f;
+      if (precision == RefPrecision::kPlainFp8PvSum) {
+        const MatrixF v_t = v_f.transpose();  // row c: channel c along the keys
+        const MatrixF p_f = p.cast<float>();
+        o_f.resize(rows, d);
+        for (int i = 0; i < rows; ++i)
+          for (int c = 0; c < d; ++c) o_f(i, c) = float(fp8_mma_dot(&p_f(i, 0), &v_t(c, 0), sk));
+      } else {
+        o_f = p.cast<float>() * v_f;
+      }
       for (int i = 0; i < rows; ++i) {
         const float inv = row_sum[i] > 0 ? 1.0f / float(row_sum[i]) : 0.0f;
         for (int c = 0; c < d; ++c) o[size_t(row0 + i) * d + c] = round_to_bf16(o_f(i, c) * inv);

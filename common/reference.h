@@ -49,6 +49,10 @@ enum class RefPrecision {
                // bits), in float; each row's exp(S - max) in float, times 2^8, rounded to e4m3
                // for P V; l the float sum of the unrounded values; O = (P V) / l in float, rounded
                // to bf16.
+  kPlainFp8PvSum,  // kPlainFp8 with P V summed as the FP8 tensor cores sum it too (fp8_mma_dot
+                   // along the keys, the running sum carried from one group of 32 to the next).
+                   // Not a tolerance (yet): the experiment of chapter 28's "Long rows"
+                   // (tests/cpu/test_fp8_inputs.cpp).
 };
 
 // A dot product of n FP8 values (given as floats, e.g. dequantised e4m3) as Hopper's FP8 tensor

@@ -226,71 +226,33 @@ TEST_CASE("the input options on the command line: forward chapters only") {
 
 namespace {
 
-// O's norm-wise error over the first query head's rows of a plain FP8 implementation (S as the
-// tensor cores sum it, P = e4m3(2^8 exp), the float sum of P), against the double reference from
-// the same rounded inputs, with P V summed two ways: in float, and as the tensor cores sum it
-// (fp8_mma_dot along the keys, the running sum carried from one group of 32 keys to the next).
+// O's norm-wise error over the first query head's rows of a plain FP8 implementation, against the
+// double reference from the same rounded inputs, with P V summed in float (RefPrecision::kPlainFp8)
+// and as the tensor cores sum it (kPlainFp8PvSum).
 struct PvErrors {
   double in_float, as_tensor_cores;
 };
 
 PvErrors plain_fp8_o_errors(int seqlen_k, float q_scale) {
-  const int sq = 33, d = 128;
-  const AttentionShape shape = make_shape(1, 8, 1, sq, seqlen_k, d);
+  const AttentionShape shape = make_shape(1, 8, 1, 33, seqlen_k, 128);
   InputOptions options;
   options.q_scale = q_scale;
   const ForwardInputs inputs(shape, options, DType::kE4M3);
-  auto dequantised = [&](ForwardTensor t, size_t rows) {
-    std::vector<float> values(rows * d);
+  auto dequantised = [&](ForwardTensor t) {
+    std::vector<float> values(inputs.elements(t));
     inputs.make_unrounded(t, values.data(), values.size(), 0);
     inputs.round(t, values.data(), values.size(), 0, /*stored=*/false);
     return values;
   };
-  const std::vector<float> q = dequantised(ForwardTensor::kQ, sq),
-                           k = dequantised(ForwardTensor::kK, seqlen_k),
-                           v = dequantised(ForwardTensor::kV, seqlen_k);
-  std::vector<float> v_t(size_t(d) * seqlen_k);  // each channel's values along the keys
-  for (int j = 0; j < seqlen_k; ++j)
-    for (int c = 0; c < d; ++c) v_t[size_t(c) * seqlen_k + j] = v[size_t(j) * d + c];
-  const double scale = 1.0 / std::sqrt(double(d));
-  double err_float = 0, err_model = 0, norm = 0;
-  for (int i = 0; i < sq; ++i) {
-    const float* q_row = &q[size_t(i) * d];
-    std::vector<double> s(seqlen_k);
-    std::vector<float> s_plain(seqlen_k), p(seqlen_k);
-    double m = -INFINITY, m_plain = -INFINITY;
-    for (int j = 0; j < seqlen_k; ++j) {
-      s[j] = dot(q_row, &k[size_t(j) * d], d) * scale;
-      s_plain[j] = float(fp8_mma_dot(q_row, &k[size_t(j) * d], d)) * float(scale);
-      m = std::max(m, s[j]);
-      m_plain = std::max(m_plain, double(s_plain[j]));
-    }
-    std::vector<double> o(d, 0.0);
-    std::vector<float> o_float(d, 0.0f);
-    double l = 0;
-    float l_plain = 0;
-    for (int j = 0; j < seqlen_k; ++j) {
-      const double e = std::exp(s[j] - m);
-      l += e;
-      const float e_plain = 256.0f * std::exp(float(s_plain[j] - m_plain));
-      l_plain += e_plain;
-      p[j] = round_to_e4m3(e_plain);
-      for (int c = 0; c < d; ++c) {
-        o[c] += e * v[size_t(j) * d + c];
-        o_float[c] += p[j] * v[size_t(j) * d + c];
-      }
-    }
-    for (int c = 0; c < d; ++c) {
-      const double ref = o[c] / l;
-      const double plain_float = round_to_bf16(o_float[c] / l_plain);
-      const double plain_model = round_to_bf16(
-          float(fp8_mma_dot(p.data(), &v_t[size_t(c) * seqlen_k], seqlen_k)) / l_plain);
-      err_float += (plain_float - ref) * (plain_float - ref);
-      err_model += (plain_model - ref) * (plain_model - ref);
-      norm += ref * ref;
-    }
-  }
-  return {std::sqrt(err_float / norm), std::sqrt(err_model / norm)};
+  const std::vector<float> q = dequantised(ForwardTensor::kQ), k = dequantised(ForwardTensor::kK),
+                           v = dequantised(ForwardTensor::kV);
+  const std::vector<HeadIndex> first_head = {{0, 0}};
+  auto o_of = [&](RefPrecision precision) {
+    return reference_forward(shape, q, k, v, first_head, precision).o;
+  };
+  const std::vector<double> exact = o_of(RefPrecision::kDouble);
+  return {relative_difference(o_of(RefPrecision::kPlainFp8), exact),
+          relative_difference(o_of(RefPrecision::kPlainFp8PvSum), exact)};
 }
 
 }  // namespace
