@@ -64,7 +64,8 @@ Tolerance bf16_output_tolerance(double plain_bf16_max_abs_err);
 // Twice a plain implementation's error: |err| <= 2 x its largest error + 1e-5, and norm-wise at
 // most 2 x its norm-wise error + 1e-3. O of an FP8 chapter against the reference from the
 // dequantised inputs, with the plain FP8 implementation of RefPrecision::kPlainFp8 (its error is
-// P's rounding to e4m3 and the tensor cores' short accumulation of S): the chapter's own error. And
+// P's rounding to e4m3 and the tensor cores' short accumulation of S and of P V): the chapter's own
+// error. And
 // O of a bf16 or FP8 chapter against the reference from the unrounded inputs, where the plain
 // implementation's error includes the inputs' rounding: what a user sees. `plain` and `against`
 // name the two for the report.

@@ -53,7 +53,7 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
   ConstMapF q_f(q, sq, d), k_f(k, sk, d), v_f(v, sk, d);
   const MatrixD k_d = k_f.cast<double>(), v_d = v_f.cast<double>();
   const bool plain_fp8 =
-      precision == RefPrecision::kPlainFp8 || precision == RefPrecision::kPlainFp8PvSum;
+      precision == RefPrecision::kPlainFp8 || precision == RefPrecision::kPlainFp8FloatPv;
   double max_abs_logit = 0;
   for (int row0 = first_row; row0 < last_row; row0 += kRowsPerBlock) {
     const int rows = std::min(kRowsPerBlock, last_row - row0);
@@ -110,10 +110,10 @@ double attend_rows(const float* q, const float* k, const float* v, int sq, int s
     if (precision == RefPrecision::kDouble) {
       o_block = p * v_d;
     } else if (plain_fp8) {
-      // O = (P V) / l in float, rounded to bf16 once; P V summed in float, or as the tensor
-      // cores sum it, each channel's products along the keys.
+      // O = (P V) / l in float, rounded to bf16 once; P V summed as the tensor cores sum it,
+      // each channel's products along the keys, or in float.
       MatrixF o_f;
-      if (precision == RefPrecision::kPlainFp8PvSum) {
+      if (precision == RefPrecision::kPlainFp8) {
         const MatrixF v_t = v_f.transpose();  // row c: channel c along the keys
         const MatrixF p_f = p.cast<float>();
         o_f.resize(rows, d);

@@ -44,15 +44,18 @@ enum class RefPrecision {
                // product in float and each result rounded to bf16 (dK and dV summed over a group's
                // query heads in float and rounded once).
   kPlainFp8,   // forward only: what a plain FP8 attention on Hopper gets from inputs that are
-               // already the dequantised e4m3 values: S = scale q k^T with q k^T summed as the FP8
-               // tensor cores sum it (fp8_mma_dot in reference.cpp, a model with 13 fraction
-               // bits), in float; each row's exp(S - max) in float, times 2^8, rounded to e4m3
-               // for P V; l the float sum of the unrounded values; O = (P V) / l in float, rounded
-               // to bf16.
-  kPlainFp8PvSum,  // kPlainFp8 with P V summed as the FP8 tensor cores sum it too (fp8_mma_dot
-                   // along the keys, the running sum carried from one group of 32 to the next).
-                   // Not a tolerance (yet): the experiment of chapter 28's "Long rows"
-                   // (tests/cpu/test_fp8_inputs.cpp).
+               // already the dequantised e4m3 values, both products on the FP8 tensor cores: S =
+               // scale q k^T with q k^T summed as the tensor cores sum it (fp8_mma_dot in
+               // reference.cpp, a model with 13 fraction bits), in float; each row's exp(S - max)
+               // in float, times 2^8, rounded to e4m3 for P V; l the float sum of the unrounded
+               // values; P V summed as the tensor cores sum it too (fp8_mma_dot along the keys,
+               // the running sum carried from one group of 32 to the next, as FlashAttention-3
+               // keeps O in the accumulator from one key block to the next); O = (P V) / l in
+               // float, rounded to bf16.
+  kPlainFp8FloatPv,  // kPlainFp8 with P V summed in float: what a kernel would get that kept O's
+                     // running sum in float registers and let the tensor cores sum one block at
+                     // a time. Not a tolerance: the experiment of chapter 28's "Long rows"
+                     // (tests/cpu/test_fp8_inputs.cpp).
 };
 
 // A dot product of n FP8 values (given as floats, e.g. dequantised e4m3) as Hopper's FP8 tensor

@@ -30,22 +30,26 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
     cases.push_back(c);
   };
   for (const EdgeShape& edge : edge_shapes(tested_head_dims(chapter))) add(edge);
-  // A million keys (and 7) for a few queries, Q x 2.5 (logits up to about 16): an error the
-  // kernel makes once per block of keys adds up over 8,000-33,000 blocks and becomes visible, even
-  // when it is one rounding per block. The log-sum-exp sees it first, while O's elements are too
-  // small (~1e-3) to show it. It found an alpha of 2^r instead of 1 on every block whose max did
-  // not move (r: the rounding of m x scale), which O / l cancels and the LSE keeps: in chapter 06
-  // with 32-key blocks (3.8e-3 off at Q x 1, 2.5x the tolerance of 1e-4 + 1e-4 * |LSE|), and in
-  // chapter 27, whose 128-key tiles made the sum 4x smaller and hid it at Q x 1; Q x 2.5 makes r
-  // 2-4x larger (docs/benchmarks.md, "A drift that only a long sequence shows"). The FP8 chapters
-  // 28-29 had it too, and there it cost O as well (chapter 28's README, "Long rows"; at Q x 1 their
-  // O fails here for another reason that README explains). For the bf16 and FP8 chapters, whose
-  // per-block bookkeeping in registers is what this case is for; the fp32 chapters were not run on
-  // it (their 1e-5 tolerance was not set for sums of a million terms).
+  // A million keys (and 7) for a few queries: an error the kernel makes once per block of keys
+  // adds up over 8,000-33,000 blocks and becomes visible, even when it is one rounding per block.
+  // The log-sum-exp sees it first, while O's elements are too small (~1e-3) to show it. It found an
+  // alpha of 2^r instead of 1 on every block whose max did not move (r: the rounding of m x
+  // scale), which O / l cancels and the LSE keeps: in chapter 06 with 32-key blocks (3.8e-3 off at
+  // Q x 1, 2.5x the tolerance of 1e-4 + 1e-4 * |LSE|), and in chapter 27, whose 128-key tiles made
+  // the sum 4x smaller and hid it at Q x 1; Q x 2.5 (logits up to about 16) makes r 2-4x larger
+  // (docs/benchmarks.md, "A drift that only a long sequence shows"). The FP8 chapters 28-29 had it
+  // too, and there it cost O as well, at Q x 1 as at Q x 2.5 (chapter 28's README, "Long rows"):
+  // they run Q x 1, where the tensor cores' sum of P V, which the plain FP8 implementation models,
+  // grows O's error the most. For the bf16 and FP8 chapters, whose per-block bookkeeping in
+  // registers is what this case is for; the fp32 chapters were not run on it (their 1e-5
+  // tolerance was not set for sums of a million terms).
   if (chapter.dtype != DType::kF32) {
     const AttentionShape long_keys =
         make_shape(1, 8, 1, 33, (1 << 20) + 7, tested_head_dims(chapter).back());
-    add({long_keys, 2.5f, long_keys.describe() + ", Q x 2.5"});
+    const float q_scale = chapter.dtype == DType::kE4M3 ? 1.0f : 2.5f;
+    std::ostringstream name;
+    name << long_keys.describe() << ", Q x " << q_scale;
+    add({long_keys, q_scale, name.str()});
   }
   // FP8 chapters, at every head dim: inputs with outlier channels (x6: logits up to about 50),
   // under one scale per tensor, and with the Hadamard rotation, on a shape whose lengths fill no
