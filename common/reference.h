@@ -52,9 +52,10 @@ enum class RefPrecision {
                // the running sum carried from one group of 32 to the next, as FlashAttention-3
                // keeps O in the accumulator from one key block to the next); O = (P V) / l in
                // float, rounded to bf16.
-  kPlainFp8FloatPv,  // kPlainFp8 with P V summed in float: what a kernel would get that kept O's
-                     // running sum in float registers and let the tensor cores sum one block at
-                     // a time. Not a tolerance: the experiment of chapter 28's "Long rows"
+  kPlainFp8FloatPv,  // kPlainFp8 with P V summed in float: near what a kernel would get that
+                     // kept O's running sum in float registers and let the tensor cores sum one
+                     // block at a time (which would still cut each block's sum). Not a
+                     // tolerance: the experiment of chapter 28's "Long rows"
                      // (tests/cpu/test_fp8_inputs.cpp).
 };
 
