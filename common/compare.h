@@ -65,10 +65,9 @@ Tolerance bf16_output_tolerance(double plain_bf16_max_abs_err);
 // most 2 x its norm-wise error + 1e-3. O of an FP8 chapter against the reference from the
 // dequantised inputs, with the plain FP8 implementation of RefPrecision::kPlainFp8 (its error is
 // P's rounding to e4m3 and the tensor cores' short accumulation of S and of P V): the chapter's own
-// error. And
-// O of a bf16 or FP8 chapter against the reference from the unrounded inputs, where the plain
-// implementation's error includes the inputs' rounding: what a user sees. `plain` and `against`
-// name the two for the report.
+// error. And O of a bf16 or FP8 chapter against the reference from the unrounded inputs, where the
+// plain implementation's error includes the inputs' rounding: what a user sees. `plain` and
+// `against` name the two for the report.
 Tolerance twice_plain_tolerance(const char* plain, double plain_max_abs_err, double plain_rel_err,
                                 const char* against);
 // The LSE the same way: a chapter's own LSE tolerance widened by twice the plain implementation's
