@@ -55,8 +55,8 @@ struct ForwardChapter {
   // a row: every P carries 2^r, which O / l cancels until it leaves P's range. In float (chapters
   // 06-14 and 27) that happens past logits of ~1.5e9, in e4m3 with P scaled to 2^8 (28-29) past
   // ~1.2e7: chapter 06's README, "How far the fold holds", and chapter 28's. The GPU tests of the
-  // bf16 and e4m3 chapters run logits of 1e6 and 1e8, and 1e10 for chapters whose limit is below
-  // it (tests/gpu/forward_cases.cpp), and expect the cases above this limit to fail.
+  // bf16 and e4m3 chapters run logits of 1e6 and 1e8 where they are within this limit (to pass),
+  // and 1e10 where the limit is below it (to fail); tests/gpu/forward_cases.cpp.
   float largest_logits = INFINITY;
 };
 
