@@ -20,8 +20,8 @@ struct ForwardCase {
 
 // The shapes of edge_cases.h at every supported head_dim; for the bf16 and e4m3 chapters a million
 // keys, logits of 1e6 and 1e8 within the chapter's largest_logits, and 1e10 where it must fail (past
-// largest_logits); for the e4m3 chapters outlier
-// channels with and without the Hadamard rotation. Every case draws fresh inputs from its own seed.
+// largest_logits); for the e4m3 chapters outlier channels with and without the Hadamard rotation.
+// Every case draws fresh inputs from its own seed.
 std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter);
 
 // Runs the chapter over every case of forward_cases() it is built to pass and CHECKs (doctest)
