@@ -447,49 +447,77 @@ inline size_t workspace_bytes(const AttentionShape& shape) {
   return size_t(shape.batch) * shape.heads_kv * shape.head_dim * size_t(vt_keys(shape));
 }
 
-// The key order of V^T within each group of 16 (pack_p): position i holds key kKeyOrder[i].
-__constant__ int kKeyOrder[kKeyGroup] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+// The key order of V^T within each group of 16 (pack_p): position i holds key kKeyOrder[i]. A
+// compile-time table: the pre-pass indexes its registers with it, and only constant indices keep
+// them in registers.
+__device__ constexpr int kKeyOrder[kKeyGroup] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
 
 // The pre-pass: V [batch * heads_kv][seqlen_k][head_dim] to V^T [batch * heads_kv][head_dim]
 // [vt_keys], keys permuted within groups of 16; keys from seqlen_k to vt_keys are 0 (P V reads
-// them, with P = 0: a NaN there would still poison O). A block moves a tile of 64 keys x 64
-// columns through shared memory: 16-byte loads along V's rows, 16-byte stores along V^T's.
-constexpr int kTransposeTile = 64;
+// them, with P = 0: a NaN there would still poison O).
+//
+// A thread transposes a block of 16 keys x 16 columns in registers: sixteen 16-byte loads, one per
+// key, and sixteen 16-byte stores, one per column. Neighbouring threads take neighbouring columns
+// of the same keys, so a warp's loads cover whole rows of V, and its stores 64-byte runs of V^T's
+// rows. No shared memory and no barrier: each thread has its 256 bytes in flight at once.
+//
+// Four bytes at a time: the words q of keys a, b, c, d (columns 4q .. 4q + 3) become, by byte
+// permutes, the words of columns 4q .. 4q + 3 that hold keys a, b, c, d.
+__device__ void transpose_4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&col)[4]) {
+  const uint32_t ab_low = __byte_perm(a, b, 0x5140), ab_high = __byte_perm(a, b, 0x7362);
+  const uint32_t cd_low = __byte_perm(c, d, 0x5140), cd_high = __byte_perm(c, d, 0x7362);
+  col[0] = __byte_perm(ab_low, cd_low, 0x5410);  // a0 b0 c0 d0
+  col[1] = __byte_perm(ab_low, cd_low, 0x7632);  // a1 b1 c1 d1
+  col[2] = __byte_perm(ab_high, cd_high, 0x5410);
+  col[3] = __byte_perm(ab_high, cd_high, 0x7632);
+}
+
 __global__ void __launch_bounds__(256)
     transpose_v_kernel(const uint8_t* v, uint8_t* vt, int seqlen_k, int head_dim, int64_t keys,
-                       int key_tiles) {
-  __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 4];  // + 4: fewer bank conflicts below
-  const int64_t head = blockIdx.x / key_tiles;
-  const int key0 = int(blockIdx.x % key_tiles) * kTransposeTile;
-  const int col0 = blockIdx.y * kTransposeTile;
-  const int row = threadIdx.x / 4, segment = threadIdx.x % 4;  // 64 rows of 4 x 16 bytes
-  // Load: row `row` of the tile is key key0 + row, bytes col0 + 16 segment ...
-  uint4 loaded = make_uint4(0, 0, 0, 0);
-  if (key0 + row < seqlen_k)
-    loaded = *reinterpret_cast<const uint4*>(v + (head * seqlen_k + key0 + row) * head_dim + col0 +
-                                             16 * segment);
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&loaded);
+                       int64_t threads) {
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (thread >= threads) return;
+  const int chunks = head_dim / 16;  // 16-column chunks of a row of V
+  const int chunk = int(thread % chunks);
+  const int64_t groups = keys / kKeyGroup;  // 16-key groups of a head
+  const int64_t head = thread / chunks / groups;
+  const int64_t key0 = thread / chunks % groups * kKeyGroup;
+  uint4 row[kKeyGroup];  // row[k]: columns 16 chunk .. 16 chunk + 15 of key key0 + k
 #pragma unroll
-  for (int i = 0; i < 16; ++i) tile[row][16 * segment + i] = bytes[i];
-  __syncthreads();
-  // Store: row `row` of the output is column col0 + row of V, keys key0 + 16 segment ... permuted.
-  const int64_t key = key0 + 16 * segment;
-  if (key >= keys) return;
-  alignas(16) uint8_t out[16];
+  for (int k = 0; k < kKeyGroup; ++k) {
+    row[k] = make_uint4(0, 0, 0, 0);
+    if (key0 + k < seqlen_k)
+      row[k] = *reinterpret_cast<const uint4*>(v + (head * seqlen_k + key0 + k) * head_dim +
+                                               16 * chunk);
+  }
+  auto word = [](const uint4& x, int q) { return q == 0 ? x.x : q == 1 ? x.y : q == 2 ? x.z : x.w; };
+  uint8_t* out = vt + (head * head_dim + 16 * chunk) * keys + key0;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) out[i] = tile[16 * segment + kKeyOrder[i]][row];
-  *reinterpret_cast<uint4*>(vt + (head * head_dim + col0 + row) * keys + key) =
-      *reinterpret_cast<const uint4*>(out);
+  for (int q = 0; q < 4; ++q) {
+    uint32_t column[4][4];  // column[i][w]: word w of column 4q + i, keys kKeyOrder[4w ..]
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t col[4];
+      transpose_4x4(word(row[kKeyOrder[4 * w]], q), word(row[kKeyOrder[4 * w + 1]], q),
+                    word(row[kKeyOrder[4 * w + 2]], q), word(row[kKeyOrder[4 * w + 3]], q), col);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) column[i][w] = col[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<uint4*>(out + (4 * q + i) * keys) =
+          make_uint4(column[i][0], column[i][1], column[i][2], column[i][3]);
+  }
 }
 
 inline void transpose_v(const attn::ForwardParams& params, cudaStream_t stream) {
   const AttentionShape& shape = params.shape;
-  const int key_tiles = int((vt_keys(shape) + kTransposeTile - 1) / kTransposeTile);
-  const dim3 grid(unsigned(int64_t(shape.batch) * shape.heads_kv * key_tiles),
-                  unsigned(shape.head_dim / kTransposeTile));
-  transpose_v_kernel<<<grid, 256, 0, stream>>>(
+  const int64_t threads = int64_t(shape.batch) * shape.heads_kv * (vt_keys(shape) / kKeyGroup) *
+                          (shape.head_dim / 16);
+  constexpr int kThreads = 256;
+  transpose_v_kernel<<<unsigned((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(params.v), static_cast<uint8_t*>(params.workspace),
-      shape.seqlen_k, shape.head_dim, vt_keys(shape), key_tiles);
+      shape.seqlen_k, shape.head_dim, vt_keys(shape), threads);
   CUDA_CHECK_LAUNCH();
 }
 
