@@ -495,65 +495,82 @@ __global__ void __launch_bounds__(kThreads) split_kv_kernel(const DecodeArgs arg
 // The merge of the splits: one block per query row. The splits that started past the end of the
 // row's sequence wrote nothing and are not read; a split in which the row saw no key has lse
 // -inf and weight 0; a row that saw no key at all gets O = 0 and lse -inf. The partial results
-// were just written, so they come from L2, and what costs is the latency of each round of reads:
-// one round for the splits' lse (into shared memory), one for their O, where each thread reads 8
-// columns of one split (two 16-byte loads) and kSplitLanes splits are read at once.
+// were just written, so they come from L2, and what costs is the latency of each round of reads,
+// not the bytes. There is one round: each thread reads 8 columns of O_s (two 16-byte loads) and
+// lse_s together, for kSplitLanes splits at once, and merges its splits by chapter 03's rule
+// against a running max of their lse_s; the lanes' results are then merged by the same rule.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs args) {
   constexpr int kChunks = kHeadDim / 8;            // 8 columns per thread
   constexpr int kSplitLanes = kThreads / kChunks;  // splits read at once: 8 (d 128) or 16 (d 64)
-  __shared__ float weight[kMaxSplits];
   __shared__ float partial[kSplitLanes][kHeadDim];
-  __shared__ float row_lse;
-  // Launched while the split kernel still runs (programmatic dependent launch, see the launch):
-  // wait here until all of its blocks have finished and their writes are visible.
-  wait_for_previous_grid();
+  __shared__ float lane_max[kSplitLanes], lane_sum[kSplitLanes];
+  // seqlens_k is an input, which the split kernel does not write: it is read before the wait.
   const int64_t row = blockIdx.x;
   const int batch = int(row / (int64_t(args.heads_q) * args.seqlen_q));
   const int used =
       min(args.num_splits, (args.seqlens_k[batch] + args.split_keys - 1) / args.split_keys);
-  for (int s = threadIdx.x; s < used; s += kThreads)
-    weight[s] = args.lse_partial[s * args.total_rows + row];
-  __syncthreads();
-  // lse = log sum_s exp(lse_s), by the first warp; then weight_s = exp(lse_s - lse).
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float m = -INFINITY;
-    for (int s = lane; s < used; s += 32) m = fmaxf(m, weight[s]);
-    for (int offset = 16; offset > 0; offset /= 2)
-      m = fmaxf(m, __shfl_xor_sync(kFullWarp, m, offset));
-    const float m_base = m == -INFINITY ? 0.0f : m;
-    float sum = 0.0f;
-    for (int s = lane; s < used; s += 32) sum += __expf(weight[s] - m_base);
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullWarp, sum, offset);
-    const float lse = sum > 0.0f ? m_base + __logf(sum) : -INFINITY;
-    __syncwarp();
-    for (int s = lane; s < used; s += 32) weight[s] = sum > 0.0f ? __expf(weight[s] - lse) : 0.0f;
-    if (lane == 0) row_lse = lse;
-  }
-  __syncthreads();
+  // Launched while the split kernel still runs (programmatic dependent launch, see the launch):
+  // wait here until all of its blocks have finished and their writes are visible.
+  wait_for_previous_grid();
 
+  // Lane lane_split takes splits lane_split, lane_split + kSplitLanes, ...: with m the largest
+  // lse_s so far, sum = sum_s e^(lse_s - m) and out = sum_s e^(lse_s - m) O_s. Each pass issues
+  // the loads of kPass splits before it uses any (one round trip), then merges them.
+  constexpr int kPass = 4;  // splits per lane per pass: 32 (d 128) or 64 (d 64) per block
   const int chunk = threadIdx.x % kChunks, lane_split = threadIdx.x / kChunks;
-  float out[8] = {};
-#pragma unroll 4
-  for (int s = lane_split; s < used; s += kSplitLanes) {
-    const float4* o_s = reinterpret_cast<const float4*>(
-        args.o_partial + (s * args.total_rows + row) * kHeadDim + chunk * 8);
-    const float4 low = o_s[0], high = o_s[1];
-    const float w = weight[s];
-    out[0] += w * low.x, out[1] += w * low.y, out[2] += w * low.z, out[3] += w * low.w;
-    out[4] += w * high.x, out[5] += w * high.y, out[6] += w * high.z, out[7] += w * high.w;
+  float m = -INFINITY, sum = 0.0f, out[8] = {};
+  for (int s0 = lane_split; s0 < used; s0 += kPass * kSplitLanes) {
+    float lse_s[kPass];
+    float4 low[kPass], high[kPass];  // columns chunk * 8 .. + 3 and + 4 .. + 7 of O_s
+#pragma unroll
+    for (int p = 0; p < kPass; ++p) {
+      const int s = s0 + p * kSplitLanes;
+      lse_s[p] = -INFINITY, low[p] = high[p] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (s < used) {
+        const float4* o_s = reinterpret_cast<const float4*>(
+            args.o_partial + (s * args.total_rows + row) * kHeadDim + chunk * 8);
+        lse_s[p] = args.lse_partial[s * args.total_rows + row], low[p] = o_s[0], high[p] = o_s[1];
+      }
+    }
+    float m_new = m;
+#pragma unroll
+    for (int p = 0; p < kPass; ++p) m_new = fmaxf(m_new, lse_s[p]);
+    const float m_base = m_new == -INFINITY ? 0.0f : m_new;  // all -inf so far: every weight 0
+    const float alpha = __expf(m - m_base);
+    sum *= alpha;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] *= alpha;
+#pragma unroll
+    for (int p = 0; p < kPass; ++p) {
+      const float w = __expf(lse_s[p] - m_base);
+      sum += w;
+      out[0] += w * low[p].x, out[1] += w * low[p].y, out[2] += w * low[p].z;
+      out[3] += w * low[p].w, out[4] += w * high[p].x, out[5] += w * high[p].y;
+      out[6] += w * high[p].z, out[7] += w * high[p].w;
+    }
+    m = m_new;
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) partial[lane_split][chunk * 8 + j] = out[j];
+  if (chunk == 0) lane_max[lane_split] = m, lane_sum[lane_split] = sum;
   __syncthreads();
+  // The lanes' merge: lse = M + ln sum_l e^(m_l - M) sum_l, O = its weighted outs / that sum.
   for (int col = threadIdx.x; col < kHeadDim; col += kThreads) {
-    float total = 0.0f;
+    float m_all = -INFINITY;
 #pragma unroll
-    for (int l = 0; l < kSplitLanes; ++l) total += partial[l][col];
-    args.o[row * kHeadDim + col] = __float2bfloat16_rn(total);
+    for (int l = 0; l < kSplitLanes; ++l) m_all = fmaxf(m_all, lane_max[l]);
+    const float m_base = m_all == -INFINITY ? 0.0f : m_all;
+    float total_sum = 0.0f, total = 0.0f;
+#pragma unroll
+    for (int l = 0; l < kSplitLanes; ++l) {
+      const float w = __expf(lane_max[l] - m_base);
+      total_sum += w * lane_sum[l];
+      total += w * partial[l][col];
+    }
+    args.o[row * kHeadDim + col] = __float2bfloat16_rn(total_sum > 0.0f ? total / total_sum : 0.0f);
+    if (col == 0) args.lse[row] = total_sum > 0.0f ? m_base + __logf(total_sum) : -INFINITY;
   }
-  if (threadIdx.x == 0) args.lse[row] = row_lse;
 }
 
 // ---------------------------------------------------------------------------------------------
