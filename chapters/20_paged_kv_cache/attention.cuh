@@ -497,8 +497,8 @@ __global__ void __launch_bounds__(kThreads) split_kv_kernel(const DecodeArgs arg
 // -inf and weight 0; a row that saw no key at all gets O = 0 and lse -inf. The partial results
 // were just written, so they come from L2, and what costs is the latency of each round of reads,
 // not the bytes. There is one round: each thread reads 8 columns of O_s (two 16-byte loads) and
-// lse_s together, for kSplitLanes splits at once, and merges its splits by chapter 03's rule
-// against a running max of their lse_s; the lanes' results are then merged by the same rule.
+// lse_s together, kPass x kSplitLanes splits at once per block, and merges its splits by chapter
+// 03's rule against a running max of their lse_s; the lanes' results are merged by the same rule.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs args) {
   constexpr int kChunks = kHeadDim / 8;            // 8 columns per thread
