@@ -18,10 +18,10 @@
 // d 128, which fit, but at d 256 they take the third stage's room: 2 stages there.
 //
 // Everything else is chapter 29's: e4m3 operands with their descales, V^T's keys permuted within
-// each 16, P scaled by 2^8 and packed without shuffles, 192-key tiles at head_dim 128; the 3-stage
-// ring and the consumers' turns of chapters 23-27. Accumulator layout: warp w of a consumer owns
-// rows 16 w .. 16 w + 15 of its 64, and lane 4 g + t holds columns 8 j + 2 t, + 1 of its rows
-// 16 w + g and 16 w + g + 8.
+// each 16, P scaled by 2^8 and packed without shuffles, 192-key tiles at head_dim 128; the ring
+// (3 stages, 2 at d 256 here) and the consumers' turns of chapters 23-27. Accumulator layout: warp
+// w of a consumer owns rows 16 w .. 16 w + 15 of its 64, and lane 4 g + t holds columns 8 j + 2 t,
+// + 1 of its rows 16 w + g and 16 w + g + 8.
 #pragma once
 
 #include <cmath>
@@ -57,7 +57,7 @@ struct Block {
   // take the third one's room (Q 32 KB + 2 x 64 KB of K and V^T + 2 x 32 KB of raw V, 230,400
   // bytes with the alignment, of the 232,448 a block may have).
   static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
-  // Keys per tile: 192 at head_dim 128, 128 otherwise (the header says why).
+  // Keys per tile: 192 at head_dim 128, 128 otherwise (chapter 29's header says why).
   static constexpr int kBlockN = kHeadDim == 128 ? 192 : 128;
 };
 constexpr int kKeyGroup = 16;  // V^T's keys are permuted within groups of 16 (pack_p)
@@ -271,8 +271,8 @@ __device__ int swizzle_of_row(int row) {
 // the bytes (key 2q, column 2c), (2q, 2c + 1), (2q + 1, 2c), (2q + 1, 2c + 1), in r[1] the same for
 // keys 8 + 2q, 9 + 2q. V^T row 2c wants at positions 4q .. 4q + 3 keys 2q, 2q + 1, 8 + 2q, 9 + 2q
 // (pack_p's order): bytes 0 and 2 of r[0], then of r[1]; row 2c + 1 bytes 1 and 3. Each lane thus
-// holds in out[m] four consecutive bytes of row 2c + m % 2 (+ 16 for m >= 2): the 8 lanes 4c .. of
-// a matrix hold its rows 0, 2, .., 14 (or 1, 3, .., 15), as stmatrix wants.
+// holds in out[m] four consecutive bytes of row 2c + m % 2 (+ 16 for m >= 2): lanes 4c .. 4c + 3
+// (c = 0 .. 7) hold stmatrix's row c of matrix m, V^T's row 2c (or 2c + 1), as stmatrix wants.
 template <int kHeadDim>
 __device__ void transpose_tile(const unsigned char* raw, unsigned char* vt, int thread) {
   using S = Smem<kHeadDim>;
@@ -282,7 +282,7 @@ __device__ void transpose_tile(const unsigned char* raw, unsigned char* vt, int 
   constexpr int kColWarps = kColBlocks < 4 ? kColBlocks : 4;
   constexpr int kWarpGroups = kGroups / (4 / kColWarps);  // groups per warp
   // A V^T panel row holds kChunks groups; 4 groups at a time are unrolled (a multiple of 4 in
-  // every tile), their chunks' swizzle known but for the row's part.
+  // every tile). At d 128 their chunks are then constants and only the row's swizzle is not.
   constexpr int kChunks = S::kVPanelWidth / kKeyGroup, kUnroll = 4;
   const int warp = thread % 128 / 32, lane = thread % 32;
   const int m = lane / 8, i = lane % 8;  // the matrix and row whose address this lane gives
