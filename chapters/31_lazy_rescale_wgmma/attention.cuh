@@ -224,7 +224,7 @@ __device__ void rescale(float (&o)[kN], const float (&alpha)[2]) {
 // 10's order: the longest causal blocks first).
 template <int kHeadDim>
 __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
-    folded_scale_kernel(const __grid_constant__ CUtensorMap q_map,
+    lazy_rescale_kernel(const __grid_constant__ CUtensorMap q_map,
                         const __grid_constant__ CUtensorMap k_map,
                         const __grid_constant__ CUtensorMap v_map, bf16* o, float* lse,
                         AttentionShape shape, float scale_log2) {
@@ -410,7 +410,7 @@ inline size_t workspace_bytes(const AttentionShape&) { return 0; }
 template <int kHeadDim>
 void launch_for_head_dim(const attn::ForwardParams& params, cudaStream_t stream) {
   const AttentionShape& shape = params.shape;
-  auto kernel = folded_scale_kernel<kHeadDim>;
+  auto kernel = lazy_rescale_kernel<kHeadDim>;
   static const bool smem_configured = [&] {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(Smem<kHeadDim>::kBytes)));
