@@ -179,7 +179,9 @@ __device__ bool softmax_step(float (&s)[kBlockN / 2], float (&alpha)[2], float (
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (grow) {
-      const float b = new_max[half] == -INFINITY ? 0.0f : new_max[half] * scale_log2;
+      // Both products rounded (__fmul_rn is never fused into an FFMA): a row whose max did not
+      // grow gets alpha = exp2(0) = 1 exactly, as in chapter 27.
+      const float b = new_max[half] == -INFINITY ? 0.0f : __fmul_rn(new_max[half], scale_log2);
       alpha[half] = exp2_fast(__fmul_rn(row_max[half], scale_log2) - b);
       row_max[half] = new_max[half];
       row_sum[half] *= alpha[half];
