@@ -8,19 +8,21 @@
 2. The drift that a computed alpha would cause when the reference does not move: alpha =
    exp2(m * c - round(m * c)) is 1 +- 1 ulp for about half of the rows, and applied to l but not
    to O it compounds over the blocks.
+3. The same count as 1 for chapter 31's warps (16 rows, 128-key tiles, threshold 8), and for the
+   FP8 case of its exercise 2 (192-key tiles at d 128, threshold 0.75).
 
     python3 scripts/rescale_model.py
 """
 import numpy as np
 
 
-def rescale_counts(head_dim, keys_per_block, seqlen, q_scale=1.0, threshold=8.0, seed=0):
+def rescale_counts(head_dim, keys_per_block, seqlen, q_scale=1.0, threshold=8.0, seed=0, rows=32):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((32, head_dim)) * q_scale
+    q = rng.standard_normal((rows, head_dim)) * q_scale
     k = rng.standard_normal((seqlen, head_dim))
     scores = (q @ k.T) / np.sqrt(head_dim) * np.log2(np.e)
-    reference = np.full(32, -np.inf)
-    true_max = np.full(32, -np.inf)
+    reference = np.full(rows, -np.inf)
+    true_max = np.full(rows, -np.inf)
     lazy = exact = 0
     for start in range(0, seqlen, keys_per_block):
         block_max = scores[:, start:start + keys_per_block].max(axis=1)
@@ -31,7 +33,7 @@ def rescale_counts(head_dim, keys_per_block, seqlen, q_scale=1.0, threshold=8.0,
             if np.any(m_new - reference > threshold):
                 lazy += 1
                 reference = m_new
-    return lazy, exact, seqlen // keys_per_block
+    return lazy, exact, -(-seqlen // keys_per_block)
 
 
 def alpha_drift(head_dim, typical_row_max, blocks, samples=100000, seed=1):
@@ -55,6 +57,14 @@ def main():
     for blocks in (256, 4096, 32768):
         share, drift = alpha_drift(128, 23.0, blocks)
         print(f"   {blocks} blocks: alpha != 1 in {share:.0%} of rows, largest drift {drift:.1e}")
+    print("3. chapter 31 (16 rows per warp), q-scale 1, the first tile included; mean of 20 warps")
+    for label, keys, threshold in (("bf16, 128-key tiles, threshold 8", 128, 8.0),
+                                   ("FP8, 192-key tiles, threshold 0.75", 192, 0.75)):
+        for seqlen in (512, 2048, 16384):
+            counts = [rescale_counts(128, keys, seqlen, threshold=threshold, seed=seed, rows=16)
+                      for seed in range(20)]
+            print(f"   {label}, seqlen {seqlen}: {np.mean([c[0] for c in counts]):.1f} of "
+                  f"{counts[0][2]} tiles")
 
 
 if __name__ == "__main__":
