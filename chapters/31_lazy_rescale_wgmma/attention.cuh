@@ -174,7 +174,7 @@ __device__ bool softmax_step(float (&s)[kBlockN / 2], float (&alpha)[2], float (
     // From -inf to a number: inf > threshold, a rescale (of zeros); -inf to -inf: NaN, none.
     grow |= (new_max[half] - row_max[half]) * scale_log2 > kRescaleThreshold;
   }
-  grow = __any_sync(0xffffffffu, grow);
+  grow = __any_sync(kFullWarp, grow);
   float base[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
