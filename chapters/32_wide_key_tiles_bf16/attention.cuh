@@ -15,8 +15,9 @@
 //                  once P_j V_j does, and they are needed again two turns later (K_{j+3},
 //                  V_{j+2}): the copies have a whole turn.
 //
-// Head_dim 64 keeps 128 keys (its three consumers' 160 registers have no room for a wider S) and
-// chapter 31's ring: three stages, one barrier pair per stage.
+// Head_dim 64 keeps 128 keys (its three consumers' 160 registers have no room for a wider S), and
+// so do causal runs at 128 (a wider tile skips less above the diagonal: launch()); both with
+// chapter 31's ring, three stages and one barrier pair per stage.
 //
 // Everything else is chapter 31's: a producer warpgroup fills the ring by TMA; two consumer
 // warpgroups (three at head_dim 64) take turns issuing S_{j+1} = Q K_{j+1}^T with P_j V_j and take
@@ -43,20 +44,21 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kConsumerRows = 64;  // query rows per consumer: wgmma's M
 constexpr int kProducerRegisters = 24;
-// The block by head dim: consumer warpgroups, threads (one producer warpgroup more), query rows,
-// and each consumer's registers from setmaxnreg: 128 x 24 + 384 x 160 = 64,512 at d 64,
-// 128 x 24 + 256 x 240 = 64,512 at d 128, of the SM's 65,536.
-template <int kHeadDim>
+// The block by head dim and tile width: consumer warpgroups, threads (one producer warpgroup
+// more), query rows, and each consumer's registers from setmaxnreg: 128 x 24 + 384 x 160 = 64,512
+// at d 64, 128 x 24 + 256 x 240 = 64,512 at d 128, of the SM's 65,536.
+template <int kHeadDim, bool kWide>
 struct Block {
+  static_assert(!kWide || kHeadDim == 128, "wide tiles at head_dim 128 only");
   static constexpr int kConsumers = kHeadDim == 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kRows = kConsumers * kConsumerRows;
   static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
-  // Keys per tile and K/V buffers in the ring: d 128 176 keys in 2 stages (Q 32 KB + 2 x (44 +
-  // 44) KB = 214,016 bytes with the alignment, of the 232,448 a block may have); d 64 128 keys in
-  // 3, as in chapter 31.
-  static constexpr int kBlockN = kHeadDim == 128 ? 176 : 128;
-  static constexpr int kStages = kHeadDim == 128 ? 2 : 3;
+  // Keys per tile and K/V buffers in the ring: wide, 176 keys in 2 stages (Q 32 KB + 2 x (44 +
+  // 44) KB = 214,016 bytes with the alignment, of the 232,448 a block may have); otherwise 128 keys
+  // in 3, as in chapter 31. launch() takes wide tiles at d 128 without the causal mask (README).
+  static constexpr int kBlockN = kWide ? 176 : 128;
+  static constexpr int kStages = kWide ? 2 : 3;
   // Two stages need K and V in rings of their own (the header says why); with three, one barrier
   // pair per stage as in chapter 31 (separate rings cost 2-4% at d 64: README).
   static constexpr bool kSplitRings = kStages == 2;
@@ -69,14 +71,15 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 // Shared memory, each tile 1024-byte aligned (head_dim / 64 panels each): each consumer's Q, and
 // kStages K and V tiles (d 64: 3 x 8 KB + 3 x 32 KB + 1 KB = 123,904 bytes). The kernel rounds the
 // dynamic shared memory's start up to 1024 bytes, hence the extra 1024 asked for.
-template <int kHeadDim>
+template <int kHeadDim, bool kWide>
 struct Smem {
   static constexpr int kPanels = kHeadDim / kPanelCols;
-  static constexpr int kBlockN = Block<kHeadDim>::kBlockN, kStages = Block<kHeadDim>::kStages;
+  static constexpr int kBlockN = Block<kHeadDim, kWide>::kBlockN;
+  static constexpr int kStages = Block<kHeadDim, kWide>::kStages;
   static constexpr int kKVPanelBytes = kBlockN * 128;           // a panel of K or V: kBlockN rows
   static constexpr int kTileBytes = kPanels * kPanelBytes;      // Q of one consumer
   static constexpr int kKVTileBytes = kPanels * kKVPanelBytes;  // K or V of one stage
-  static constexpr int kQ = 0, kK = Block<kHeadDim>::kConsumers * kTileBytes,
+  static constexpr int kQ = 0, kK = Block<kHeadDim, kWide>::kConsumers * kTileBytes,
                        kV = kK + kStages * kKVTileBytes;
   static constexpr size_t kBytes = kV + kStages * kKVTileBytes + 1024;
   // A tile off a 1024-byte boundary is read with its k order permuted, and when Q and K are both
@@ -110,7 +113,7 @@ __device__ float quad_sum(float x) {
 // Issues S (64 x 128) = Q K_j^T, both operands K-major (head_dim contiguous), without waiting:
 // each k step of 16 columns is 32 bytes further along the 128-byte rows, and every 4 steps the
 // next panel begins. The caller waits (wgmma_wait) before reading s.
-template <int kHeadDim, int kBlockN = Block<kHeadDim>::kBlockN>
+template <int kHeadDim, int kBlockN>
 __device__ void issue_qk(float (&s)[kBlockN / 2], const unsigned char* q_tile,
                          const unsigned char* k_tile) {
   hopper::fence_operands(s);
@@ -119,8 +122,7 @@ __device__ void issue_qk(float (&s)[kBlockN / 2], const unsigned char* q_tile,
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     const int column = ks % 4 * 32;  // bytes into the 128-byte rows; every 4 steps a new panel
     const uint64_t a = hopper::smem_descriptor(q_tile + ks / 4 * kPanelBytes + column, 16);
-    const uint64_t b =
-        hopper::smem_descriptor(k_tile + ks / 4 * Smem<kHeadDim>::kKVPanelBytes + column, 16);
+    const uint64_t b = hopper::smem_descriptor(k_tile + ks / 4 * kBlockN * 128 + column, 16);
     if constexpr (kBlockN == 176) hopper::wgmma_m64n176k16<0>(s, a, b, ks > 0);
     else hopper::wgmma_m64n128k16<0>(s, a, b, ks > 0);
   }
@@ -132,7 +134,7 @@ __device__ void issue_qk(float (&s)[kBlockN / 2], const unsigned char* q_tile,
 // for B = V that is N-major (trans-b = 1), each k step of 16 keys 16 rows = 2048 bytes further,
 // and the leading-dimension offset the distance to the next panel of 64 columns of head_dim. p and
 // o must not be touched until a wgmma_wait has retired it.
-template <int kHeadDim, int kBlockN = Block<kHeadDim>::kBlockN>
+template <int kHeadDim, int kBlockN>
 __device__ void issue_pv(float (&o)[kHeadDim / 2], uint32_t (&p)[kBlockN / 16][4],
                          const unsigned char* v_tile) {
   hopper::fence_operands(o);
@@ -140,8 +142,7 @@ __device__ void issue_pv(float (&o)[kHeadDim / 2], uint32_t (&p)[kBlockN / 16][4
   hopper::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks) {
-    const uint64_t b =
-        hopper::smem_descriptor(v_tile + ks * 16 * 128, Smem<kHeadDim>::kKVPanelBytes);
+    const uint64_t b = hopper::smem_descriptor(v_tile + ks * 16 * 128, kBlockN * 128);
     if constexpr (kHeadDim == 64) hopper::wgmma_m64n64k16_rs(o, p[ks], b, true);
     else hopper::wgmma_m64n128k16_rs(o, p[ks], b, true);
   }
@@ -238,14 +239,14 @@ __device__ void rescale(float (&o)[kN], const float (&alpha)[2]) {
 
 // Block b handles (batch, head) = b / num_q_blocks and its query blocks from the last (chapter
 // 10's order: the longest causal blocks first).
-template <int kHeadDim>
-__global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
+template <int kHeadDim, bool kWide>
+__global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
     wide_tiles_kernel(const __grid_constant__ CUtensorMap q_map,
                       const __grid_constant__ CUtensorMap k_map,
                       const __grid_constant__ CUtensorMap v_map, bf16* o, float* lse,
                       AttentionShape shape, float scale_log2) {
-  using S = Smem<kHeadDim>;
-  using B = Block<kHeadDim>;
+  using S = Smem<kHeadDim, kWide>;
+  using B = Block<kHeadDim, kWide>;
   constexpr int kBlockN = B::kBlockN, kStages = B::kStages;
   constexpr int kOTiles = kHeadDim / 8;  // 8-column chunks of O
   extern __shared__ unsigned char smem_raw[];
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
   if (num_kv_blocks > 0) {
     hopper::mbarrier_wait(&full[0], 0);
     hopper::named_barrier_sync(own_barrier, kTurnThreads);
-    issue_qk<kHeadDim>(s, q_tile, k_tile(0));
+    issue_qk<kHeadDim, kBlockN>(s, q_tile, k_tile(0));
     hopper::named_barrier_arrive(other_barrier, kTurnThreads);
     hopper::wgmma_wait<0>();
     hopper::fence_operands(s);
@@ -379,8 +380,8 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
       hopper::mbarrier_wait(&full[next_stage], (kv_block + 1) / kStages % 2);
       if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], kv_block / kStages % 2);
       hopper::named_barrier_sync(own_barrier, kTurnThreads);
-      issue_qk<kHeadDim>(s, q_tile, k_tile(next_stage));
-      issue_pv<kHeadDim>(o_acc, p, v_tile(stage));
+      issue_qk<kHeadDim, kBlockN>(s, q_tile, k_tile(next_stage));
+      issue_pv<kHeadDim, kBlockN>(o_acc, p, v_tile(stage));
       hopper::named_barrier_arrive(other_barrier, kTurnThreads);
       // The overlap: wait for S_{j+1} alone (the older of the two groups) and take its softmax
       // while P_j V_j still runs; then wait for P_j V_j, and only then rescale O and overwrite P.
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     } else {
       if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], kv_block / kStages % 2);
       hopper::named_barrier_sync(own_barrier, kTurnThreads);
-      issue_pv<kHeadDim>(o_acc, p, v_tile(stage));
+      issue_pv<kHeadDim, kBlockN>(o_acc, p, v_tile(stage));
       if (!last) hopper::named_barrier_arrive(other_barrier, kTurnThreads);
       hopper::wgmma_wait<0>();
       hopper::fence_operands(o_acc);
@@ -442,17 +443,18 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
 
 inline size_t workspace_bytes(const AttentionShape&) { return 0; }
 
-template <int kHeadDim>
-void launch_for_head_dim(const attn::ForwardParams& params, cudaStream_t stream) {
+template <int kHeadDim, bool kWide>
+void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
+  using S = Smem<kHeadDim, kWide>;
+  using B = Block<kHeadDim, kWide>;
   const AttentionShape& shape = params.shape;
-  auto kernel = wide_tiles_kernel<kHeadDim>;
+  auto kernel = wide_tiles_kernel<kHeadDim, kWide>;
   static const bool smem_configured = [&] {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(Smem<kHeadDim>::kBytes)));
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes)));
     return true;
   }();
   (void)smem_configured;
-  using B = Block<kHeadDim>;
   // Q as [batch * heads_q][seqlen_q][head_dim], K and V as [batch * heads_kv][seqlen_k][head_dim]:
   // a box is 64 rows of one head, so rows past a head's end read as zeros, not as the next head.
   const uint64_t d = kHeadDim;
@@ -464,21 +466,25 @@ void launch_for_head_dim(const attn::ForwardParams& params, cudaStream_t stream)
       params.v, d, shape.seqlen_k, uint64_t(shape.batch) * shape.heads_kv, B::kBlockN);
   const int64_t num_q_blocks = (shape.seqlen_q + B::kRows - 1) / B::kRows;
   const unsigned blocks = unsigned(num_q_blocks * shape.batch * shape.heads_q);
-  kernel<<<blocks, B::kThreads, Smem<kHeadDim>::kBytes, stream>>>(
-      q_map, k_map, v_map, static_cast<bf16*>(params.o), params.lse, shape,
-      shape.softmax_scale() * kLog2e);
+  kernel<<<blocks, B::kThreads, S::kBytes, stream>>>(q_map, k_map, v_map,
+                                                     static_cast<bf16*>(params.o), params.lse,
+                                                     shape, shape.softmax_scale() * kLog2e);
   CUDA_CHECK_LAUNCH();
 }
 
+// Wide tiles at head_dim 128 without the causal mask. Causal runs keep 128 keys: a wider tile
+// skips less above the diagonal and masks more on it, and measured 2-8% slower from 512 to 8192
+// (README); FlashAttention-3 makes the same choice.
 inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
-  if (params.shape.head_dim == 64) launch_for_head_dim<64>(params, stream);
-  else launch_for_head_dim<128>(params, stream);
+  if (params.shape.head_dim == 64) launch_tiles<64, false>(params, stream);
+  else if (params.shape.causal) launch_tiles<128, false>(params, stream);
+  else launch_tiles<128, true>(params, stream);
 }
 
 inline attn::ForwardChapter chapter() {
   attn::ForwardChapter c{"32_wide_key_tiles_bf16",
-                         "lazy rescaling: O is rescaled only when a row's maximum outgrows its "
-                         "reference by more than 8 (log2 units), voted per warp",
+                         "wider key tiles: 176 keys per tile at head_dim 128 without the causal "
+                         "mask, K and V in rings of their own",
                          attn::DType::kBF16,
                          {64, 128},
                          90,
