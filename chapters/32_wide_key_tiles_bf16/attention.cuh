@@ -7,13 +7,12 @@
 //   S (64 x 176):  wgmma m64n176k16 (N any multiple of 8 up to 256), 88 accumulator registers per
 //                  thread (64 before); with P (44) and O (64) that is 196 of a consumer's 240.
 //   shared memory: Q 32 KB + 2 stages x (K 44 KB + V 44 KB) = 214,016 bytes with the alignment;
-//                  three stages would need 303,104, more than the 232,448 a block may have.
+//                  three stages would need 304,128, more than the 232,448 a block may have.
 //   two stages:    a turn reads K_{j+1} and V_j. With one barrier pair per stage, K_j and V_j
 //                  free together when P_j V_j retires, and the copy of K_{j+2} into that stage
 //                  is needed by the very next turn: every turn would wait for it. With K and V in
-//                  rings of their own, K_{j+1}'s buffer frees once Q K_{j+1}^T retires and V_j's
-//                  once P_j V_j does, and they are needed again two turns later (K_{j+3},
-//                  V_{j+2}): the copies have a whole turn.
+//                  rings of their own, the buffers that free at the end of turn j are refilled
+//                  with K_{j+3} and V_{j+2}, both read in turn j+2: the copies have a whole turn.
 //
 // Head_dim 64 keeps 128 keys (its three consumers' 160 registers have no room for a wider S), and
 // so do causal runs at 128 (a wider tile skips less above the diagonal: launch()); both with
@@ -60,7 +59,7 @@ struct Block {
   static constexpr int kBlockN = kWide ? 176 : 128;
   static constexpr int kStages = kWide ? 2 : 3;
   // Two stages need K and V in rings of their own (the header says why); with three, one barrier
-  // pair per stage as in chapter 31 (separate rings cost 2-4% at d 64: README).
+  // pair per stage as in chapter 31 (separate rings cost 0-3% at d 64: README).
   static constexpr bool kSplitRings = kStages == 2;
 };
 constexpr int kPanelCols = 64;                    // bf16 columns per 128-byte swizzled row
@@ -110,7 +109,7 @@ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(kFullWarp, x, 2);
 }
 
-// Issues S (64 x 128) = Q K_j^T, both operands K-major (head_dim contiguous), without waiting:
+// Issues S (64 x kBlockN) = Q K_j^T, both operands K-major (head_dim contiguous), without waiting:
 // each k step of 16 columns is 32 bytes further along the 128-byte rows, and every 4 steps the
 // next panel begins. The caller waits (wgmma_wait) before reading s.
 template <int kHeadDim, int kBlockN>
@@ -255,8 +254,8 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
   unsigned char* smem = smem_raw + ((1024 - hopper::smem_address(smem_raw) % 1024) % 1024);
   auto k_tile = [&](int stage) { return smem + S::kK + stage * S::kKVTileBytes; };
   auto v_tile = [&](int stage) { return smem + S::kV + stage * S::kKVTileBytes; };
-  // mbarriers. full and empty: K's ring, and V's too when the rings are one (d 64); v_full and
-  // v_empty: V's ring when split (d 128).
+  // mbarriers. full and empty: K's ring, and V's too when the ring is one (three stages); v_full
+  // and v_empty: V's ring when split (wide tiles, two stages).
   __shared__ uint64_t q_full, full[kStages], empty[kStages], v_full[kStages], v_empty[kStages];
 
   const int warpgroup = threadIdx.x / 128;
@@ -272,8 +271,10 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
     for (int stage = 0; stage < kStages; ++stage) {
       hopper::mbarrier_init(&full[stage], 1);
       hopper::mbarrier_init(&empty[stage], B::kConsumers * 128);
-      hopper::mbarrier_init(&v_full[stage], 1);
-      hopper::mbarrier_init(&v_empty[stage], B::kConsumers * 128);
+      if constexpr (B::kSplitRings) {
+        hopper::mbarrier_init(&v_full[stage], 1);
+        hopper::mbarrier_init(&v_empty[stage], B::kConsumers * 128);
+      }
     }
   }
   __syncthreads();
@@ -303,7 +304,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
         const int stage = kv_block % kStages, use = kv_block / kStages;
         // A buffer's previous fill must have been read by every consumer thread. K's copy goes
         // out before the wait for V's buffer: that one frees a turn later, and K_j is needed a
-        // turn earlier than V_j (waiting for both first was 20% slower at d 128: README).
+        // turn earlier than V_j (waiting for both first was 17-26% slower at d 128: README).
         if (use > 0) hopper::mbarrier_wait(&empty[stage], (use - 1) % 2);
         hopper::mbarrier_arrive_expect_tx(&full[stage], (B::kSplitRings ? 1 : 2) * S::kKVTileBytes);
         for (int p = 0; p < S::kPanels; ++p)
@@ -387,7 +388,8 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
       // while P_j V_j still runs; then wait for P_j V_j, and only then rescale O and overwrite P.
       hopper::wgmma_wait<1>();
       hopper::fence_operands(s);
-      if constexpr (B::kSplitRings) hopper::mbarrier_arrive(&empty[next_stage]);  // K_{j+1} read
+      // K_{j+1} read: released here rather than at the end of the turn (1-2% faster: README).
+      if constexpr (B::kSplitRings) hopper::mbarrier_arrive(&empty[next_stage]);
       float alpha[2];
       const int kv_start = (kv_block + 1) * kBlockN;
       const bool rescaled = kv_block + 1 >= num_unmasked_blocks
@@ -456,7 +458,8 @@ void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
   }();
   (void)smem_configured;
   // Q as [batch * heads_q][seqlen_q][head_dim], K and V as [batch * heads_kv][seqlen_k][head_dim]:
-  // a box is 64 rows of one head, so rows past a head's end read as zeros, not as the next head.
+  // a box is 64 rows (Q) or kBlockN rows (K, V) of one head, so rows past a head's end read as
+  // zeros, not as the next head.
   const uint64_t d = kHeadDim;
   const CUtensorMap q_map = hopper::make_tensor_map(
       params.q, d, shape.seqlen_q, uint64_t(shape.batch) * shape.heads_q, kConsumerRows);
@@ -474,7 +477,8 @@ void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
 
 // Wide tiles at head_dim 128 without the causal mask. Causal runs keep 128 keys: a wider tile
 // skips less above the diagonal and masks more on it, and measured 2-8% slower from 512 to 8192
-// (README); FlashAttention-3 makes the same choice.
+// in one grid run, 0.93-1.03x at 4096 back to back (README); FlashAttention-3 makes the same
+// choice.
 inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
   if (params.shape.head_dim == 64) launch_tiles<64, false>(params, stream);
   else if (params.shape.causal) launch_tiles<128, false>(params, stream);
@@ -493,7 +497,7 @@ inline attn::ForwardChapter chapter() {
                          "",
                          launch};
   c.arch_specific = 90;     // built for sm_90a: wgmma and TMA run on compute capability 9.0 only
-  c.largest_logits = 1e9f;  // the exponent's FMA shares m c's rounding (README)
+  c.largest_logits = 1e9f;  // the exponent's FMA shares m c's rounding (chapter 31's README)
   return c;
 }
 
