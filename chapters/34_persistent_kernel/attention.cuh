@@ -267,11 +267,12 @@ struct Tile {
   }
 };
 
-// Block b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ... (a static schedule). Launched with a
-// block per tile (causal), that is one tile each, as in chapter 33; with a block per SM (no mask),
-// each block walks about tiles / SMs of them, and its producer copies the next tile's Q, K and V
-// while the consumers finish the current one.
-template <int kHeadDim, bool kWide>
+// Block b takes tiles b, b + gridDim.x, b + 2 gridDim.x, ... (a static schedule). Persistent (no
+// mask), the grid has a block per SM, each block walks about tiles / SMs of them, and its
+// producer copies the next tile's Q, K and V while the consumers finish the current one. Not
+// persistent (causal), the grid has a block per tile, and both loops stop after their first tile:
+// the compiler drops the loop, and the kernel is chapter 33's (with the loop it ran 1-3% slower).
+template <int kHeadDim, bool kWide, bool kPersistent>
 __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
     persistent_kernel(const __grid_constant__ CUtensorMap q_map,
                       const __grid_constant__ CUtensorMap k_map,
@@ -353,6 +354,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
             hopper::tma_load(v_tile(stage) + p * S::kKVPanelBytes, &v_map, v_bar, p * kPanelCols,
                              kv_block * kBlockN, w.kv_head);
         }
+        if constexpr (!kPersistent) break;
       }
     }
     // The producer's work ends with its last copy issued. Its copies complete on mbarriers that
@@ -409,7 +411,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
     // Whether this block has a next tile, and it has keys (a turn for the signal to open).
     const int next_tile = tile + gridDim.x;
     const bool signal_next =
-        next_tile < num_tiles &&
+        kPersistent && next_tile < num_tiles &&
         Tile<kHeadDim, kWide>(shape, next_tile, num_q_blocks).num_kv_blocks > 0;
 
     float s[kBlockN / 2];
@@ -500,6 +502,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
         lse[head_row0 + query] =
             l > 0.0f ? (__fmul_rn(row_max[half], scale_log2) + log2f(l)) / kLog2e : -INFINITY;
     }
+    if constexpr (!kPersistent) break;
   }
 }
 
@@ -519,12 +522,12 @@ inline int sm_count() {
   return count;
 }
 
-template <int kHeadDim, bool kWide>
+template <int kHeadDim, bool kWide, bool kPersistent>
 void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
   using S = Smem<kHeadDim, kWide>;
   using B = Block<kHeadDim, kWide>;
   const AttentionShape& shape = params.shape;
-  auto kernel = persistent_kernel<kHeadDim, kWide>;
+  auto kernel = persistent_kernel<kHeadDim, kWide, kPersistent>;
   static const bool smem_configured = [&] {
     CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kBytes)));
@@ -543,11 +546,7 @@ void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
       params.v, d, shape.seqlen_k, uint64_t(shape.batch) * shape.heads_kv, B::kBlockN);
   const int64_t num_q_blocks = (shape.seqlen_q + B::kRows - 1) / B::kRows;
   const int64_t tiles = num_q_blocks * shape.batch * shape.heads_q;
-  // Without the mask every tile is the same work, and a block per SM walking every gridDim.x-th
-  // tile keeps them in step. Causal tiles differ in length (chapter 10): there a block per tile,
-  // handed out by the hardware as blocks finish, balances better than any fixed assignment
-  // (README).
-  const unsigned blocks = unsigned(shape.causal ? tiles : std::min<int64_t>(tiles, sm_count()));
+  const unsigned blocks = unsigned(kPersistent ? std::min<int64_t>(tiles, sm_count()) : tiles);
   kernel<<<blocks, B::kThreads, S::kBytes, stream>>>(q_map, k_map, v_map,
                                                      static_cast<bf16*>(params.o), params.lse,
                                                      shape, shape.softmax_scale() * kLog2e);
@@ -557,11 +556,16 @@ void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
 // Wide tiles at head_dim 128 without the causal mask. Causal runs keep 128 keys: a wider tile
 // skips less above the diagonal and masks more on it, and measured 2-8% slower from 512 to 8192
 // in one grid run, 0.93-1.03x at 4096 back to back (chapter 32's README); FlashAttention-3 makes
-// the same choice.
+// the same choice. Persistent without the mask only: there every tile is the same work, and the
+// blocks walking every gridDim.x-th tile stay in step. Causal tiles differ in length (chapter
+// 10), and a fixed assignment leaves blocks idle at the end (0.66x at 16384 keys: README); a
+// block per tile, handed out by the hardware as SMs free, balances them.
 inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
-  if (params.shape.head_dim == 64) launch_tiles<64, false>(params, stream);
-  else if (params.shape.causal) launch_tiles<128, false>(params, stream);
-  else launch_tiles<128, true>(params, stream);
+  const bool causal = params.shape.causal;
+  if (params.shape.head_dim == 64 && causal) launch_tiles<64, false, false>(params, stream);
+  else if (params.shape.head_dim == 64) launch_tiles<64, false, true>(params, stream);
+  else if (causal) launch_tiles<128, false, false>(params, stream);
+  else launch_tiles<128, true, true>(params, stream);
 }
 
 inline attn::ForwardChapter chapter() {
