@@ -165,11 +165,11 @@ __device__ __forceinline__ uint64_t smem_descriptor(const void* address, uint32_
 }
 
 // The descriptor of the same tile `offset` bytes further on (a multiple of 16): only the address
-// field moves, and it cannot carry into the next field, as shared-memory addresses stay below
-// 2^18. One add per k step instead of a descriptor built from scratch.
+// field (bits 0-13, the address >> 4) moves, and it cannot carry into the next field, as
+// shared-memory addresses stay below 2^18. One add per k step instead of a descriptor built from
+// scratch.
 __device__ __forceinline__ uint64_t advance_descriptor(uint64_t descriptor, uint32_t offset) {
-  const uint32_t low = uint32_t(descriptor) + (offset >> 4), high = uint32_t(descriptor >> 32);
-  return uint64_t(high) << 32 | low;
+  return descriptor + (offset >> 4);
 }
 
 // Keeps the compiler from moving the accumulators' reads and writes across the wgmma fence and
