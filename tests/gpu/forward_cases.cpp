@@ -81,7 +81,9 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
   if (chapter.survives_large_logits && chapter.dtype != DType::kF32) {
     for (float outliers : {1e3f, 1e4f, 1e5f}) {
       const float logits = outliers * outliers;
-      const bool sure_pass = logits <= chapter.largest_logits;
+      // 1e10 is never a sure pass: a right kernel's O lands at the edge of the bf16 rule there
+      // (chapters 21-26, which declare no limit, read 1.0100x its 1e-2 floor at head_dim 64).
+      const bool sure_pass = logits <= chapter.largest_logits && logits < 1e10f;
       const bool sure_failure = logits >= 1e10f && chapter.largest_logits < 1e10f;
       if (!sure_pass && !sure_failure) continue;
       for (int d : tested_head_dims(chapter)) {
