@@ -53,8 +53,9 @@ struct Block {
   // 32's README).
   static constexpr int kBlockN = kWide ? 176 : 128;
   static constexpr int kStages = kWide ? 2 : 3;
-  // Two stages need K and V in rings of their own (the header says why); with three, one barrier
-  // pair per stage as in chapter 31 (separate rings cost 0-3% at d 64: chapter 32's README).
+  // Two stages need K and V in rings of their own (chapter 32's header says why); with three, one
+  // barrier pair per stage as in chapter 31 (separate rings cost 0-3% at d 64: chapter 32's
+  // README).
   static constexpr bool kSplitRings = kStages == 2;
 };
 constexpr int kPanelCols = 64;                    // bf16 columns per 128-byte swizzled row

@@ -7,8 +7,8 @@
 // producer copying the next tile's Q, K and V while the consumers finish the current one, and the
 // consumers' turns running on from one tile into the next.
 //
-//   the tiles:  0  1  2 ... 131 | 132 133 ... 263 | 264 ...    block b takes b, b + 132, b + 264,
-//   ...
+//   the tiles:  0  1  2 ... 131 | 132 133 ... 263 | 264 ...
+//   block b takes tiles b, b + 132, b + 264, ... (132 SMs)
 //
 // Without the mask every tile is the same work, and the fixed stride keeps the blocks in step
 // (the tiles running at once stay neighbours in the list, so they share K and V in the L2).
@@ -59,8 +59,9 @@ struct Block {
   // 32's README).
   static constexpr int kBlockN = kWide ? 176 : 128;
   static constexpr int kStages = kWide ? 2 : 3;
-  // Two stages need K and V in rings of their own (the header says why); with three, one barrier
-  // pair per stage as in chapter 31 (separate rings cost 0-3% at d 64: chapter 32's README).
+  // Two stages need K and V in rings of their own (chapter 32's header says why); with three, one
+  // barrier pair per stage as in chapter 31 (separate rings cost 0-3% at d 64: chapter 32's
+  // README).
   static constexpr bool kSplitRings = kStages == 2;
 };
 constexpr int kPanelCols = 64;                    // bf16 columns per 128-byte swizzled row
@@ -271,7 +272,8 @@ struct Tile {
 // mask), the grid has a block per SM, each block walks about tiles / SMs of them, and its
 // producer copies the next tile's Q, K and V while the consumers finish the current one. Not
 // persistent (causal), the grid has a block per tile, and both loops stop after their first tile:
-// the compiler drops the loop, and the kernel is chapter 33's (with the loop it ran 1-3% slower).
+// the compiler drops the loop, and the kernel is chapter 33's but for the q_empty barrier (with
+// the loop it ran 1-2% slower at 16384, part 3 of the README's record).
 template <int kHeadDim, bool kWide, bool kPersistent>
 __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
     persistent_kernel(const __grid_constant__ CUtensorMap q_map,
@@ -316,8 +318,8 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
   if (warpgroup == 0) {
     // The producer: one thread copies each tile's Q, then its K and V up to kStages tiles ahead of
     // the consumers. The ring does not restart with a tile: fill counts every K/V tile this block
-    // has copied, so the first fills of the next tile go out as soon as the current tile's last
-    // ones free their buffers.
+    // has copied, and the next tile's copies take the next stages, Q's once the current tile's last
+    // Q K^T has retired, K's and V's once their buffers are free.
     hopper::release_registers<kProducerRegisters>();
     if (threadIdx.x == 0) {
       const int num_q_blocks = (shape.seqlen_q + B::kRows - 1) / B::kRows;
@@ -432,14 +434,14 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
       pack_p<kBlockN>(s, p);
     }
     for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
-      const unsigned fill = read + kv_block, stage = fill % kStages;
+      const unsigned index = read + kv_block, stage = index % kStages;  // in the ring's sequence
       // A turn: S_{j+1} = Q K_{j+1}^T, then O += P_j V_j, issued back to back between this
       // consumer's wait and its signal to the next (the last turn has no S_{j+1}, and the last
       // consumer's signal after it is for the next tile).
       if (kv_block + 1 < num_kv_blocks) {
-        const unsigned next = fill + 1, next_stage = next % kStages;
+        const unsigned next = index + 1, next_stage = next % kStages;
         hopper::mbarrier_wait(&full[next_stage], next / kStages % 2);
-        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], fill / kStages % 2);
+        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], index / kStages % 2);
         hopper::named_barrier_sync(own_barrier, kTurnThreads);
         issue_qk<kHeadDim, kBlockN>(s, q_tile, k_tile(next_stage));
         issue_pv<kHeadDim, kBlockN>(o_acc, p, v_tile(stage));
@@ -469,7 +471,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
         if (rescaled) rescale(o_acc, alpha);
         pack_p<kBlockN>(s, p);
       } else {
-        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], fill / kStages % 2);
+        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], index / kStages % 2);
         hopper::named_barrier_sync(own_barrier, kTurnThreads);
         issue_pv<kHeadDim, kBlockN>(o_acc, p, v_tile(stage));
         signalled = last && signal_next;  // the next tile's first signal
@@ -558,8 +560,8 @@ void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
 // in one grid run, 0.93-1.03x at 4096 back to back (chapter 32's README); FlashAttention-3 makes
 // the same choice. Persistent without the mask only: there every tile is the same work, and the
 // blocks walking every gridDim.x-th tile stay in step. Causal tiles differ in length (chapter
-// 10), and a fixed assignment leaves blocks idle at the end (0.66x at 16384 keys: README); a
-// block per tile, handed out by the hardware as SMs free, balances them.
+// 10), and a fixed assignment leaves blocks idle at the end (0.66x at causal 16384, measured on
+// chapter 31: README); a block per tile, handed out by the hardware as SMs free, balances them.
 inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
   const bool causal = params.shape.causal;
   if (params.shape.head_dim == 64 && causal) launch_tiles<64, false, false>(params, stream);

@@ -19,8 +19,8 @@
 // Everything else is chapter 34's: a persistent block per SM; Q freed by q_empty; the K/V rings
 // and the turns running on across tiles; descriptors in uniform registers; at head_dim 128 without
 // the causal mask, 176 keys per tile in two stages with K and V in rings of their own; at head_dim
-// 64, and causal, 128 keys in three stages and one ring. A producer warpgroup fills the ring by TMA;
-// two consumer warpgroups (three at head_dim 64) take turns issuing S_{j+1} = Q K_{j+1}^T with
+// 64, and causal, 128 keys in three stages and one ring. A producer warpgroup fills the ring by
+// TMA; two consumer warpgroups (three at head_dim 64) take turns issuing S_{j+1} = Q K_{j+1}^T with
 // P_j V_j and take the softmax of S_{j+1} while P_j V_j runs; O rescaled only when a row's maximum
 // outgrows its reference by more than 8 (log2), voted per warp. Accumulator layout: warp w of a
 // consumer owns rows 16 w .. 16 w + 15 of its 64, and lane 4 g + t holds columns 8 j + 2 t, + 1 of
@@ -61,8 +61,9 @@ struct Block {
   // 32's README).
   static constexpr int kBlockN = kWide ? 176 : 128;
   static constexpr int kStages = kWide ? 2 : 3;
-  // Two stages need K and V in rings of their own (the header says why); with three, one barrier
-  // pair per stage as in chapter 31 (separate rings cost 0-3% at d 64: chapter 32's README).
+  // Two stages need K and V in rings of their own (chapter 32's header says why); with three, one
+  // barrier pair per stage as in chapter 31 (separate rings cost 0-3% at d 64: chapter 32's
+  // README).
   static constexpr bool kSplitRings = kStages == 2;
 };
 constexpr int kPanelCols = 64;                    // bf16 columns per 128-byte swizzled row
@@ -331,8 +332,8 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
   if (warpgroup == 0) {
     // The producer: one thread copies each tile's Q, then its K and V up to kStages tiles ahead of
     // the consumers. The ring does not restart with a tile: fill counts every K/V tile this block
-    // has copied, so the first fills of the next tile go out as soon as the current tile's last
-    // ones free their buffers.
+    // has copied, and the next tile's copies take the next stages, Q's once the current tile's last
+    // Q K^T has retired, K's and V's once their buffers are free.
     hopper::release_registers<kProducerRegs>();
     if (threadIdx.x == 0) {
       const int num_q_blocks = (shape.seqlen_q + B::kRows - 1) / B::kRows;
@@ -457,14 +458,14 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
       pack_p<kBlockN>(s, p);
     }
     for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
-      const unsigned fill = read + kv_block, stage = fill % kStages;
+      const unsigned index = read + kv_block, stage = index % kStages;  // in the ring's sequence
       // A turn: S_{j+1} = Q K_{j+1}^T, then O += P_j V_j, issued back to back between this
       // consumer's wait and its signal to the next (the last turn has no S_{j+1}, and the last
       // consumer's signal after it is for the next tile).
       if (kv_block + 1 < num_kv_blocks) {
-        const unsigned next = fill + 1, next_stage = next % kStages;
+        const unsigned next = index + 1, next_stage = next % kStages;
         hopper::mbarrier_wait(&full[next_stage], next / kStages % 2);
-        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], fill / kStages % 2);
+        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], index / kStages % 2);
         hopper::named_barrier_sync(own_barrier, kTurnThreads);
         issue_qk<kHeadDim, kBlockN>(s, q_tile, k_tile(next_stage));
         issue_pv<kHeadDim, kBlockN>(o_acc, p, v_tile(stage));
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
         if (rescaled) rescale(o_acc, alpha);
         pack_p<kBlockN>(s, p);
       } else {
-        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], fill / kStages % 2);
+        if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], index / kStages % 2);
         hopper::named_barrier_sync(own_barrier, kTurnThreads);
         issue_pv<kHeadDim, kBlockN>(o_acc, p, v_tile(stage));
         // From the last consumer: the next tile's first signal.

@@ -100,19 +100,22 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
   // The bf16 Hopper chapters (21-27, 31-35): lengths that are whole multiples of their key tiles
   // (352 = 2 x 176, chapters 32-35 at head_dim 128 without the mask; 384 = 3 x 128 elsewhere; 176
   // one wide tile), so that no tile is partial and the rings' last stages are full, which the
-  // matrix's lengths never are; and the matrix's batch x heads above 65535 once more, causal: its
-  // 67,200 one-row tiles make each persistent block of chapters 34-35 walk about 500 of them,
-  // most handed out by chapter 35's counter.
+  // matrix's lengths never are; and the matrix's batch x heads above 65535 at every head dim,
+  // causal and not: 67,200 tiles of one query row and one key block, so that each persistent
+  // block of chapters 34-35 walks about 500 of them (at head_dim 128 without the mask, chapter
+  // 32's two-stage rings; causal, most handed out by chapter 35's counter).
   if (chapter.arch_specific == 90 && chapter.dtype == DType::kBF16) {
-    for (int d : tested_head_dims(chapter))
-      for (bool causal : {false, true})
+    const std::vector<int> head_dims = tested_head_dims(chapter);
+    for (int d : head_dims)
+      for (bool causal : {false, true}) {
         for (int n : {176, 352, 384}) {
           const AttentionShape shape = make_shape(2, 3, 3, n, n, d, causal);
           add({shape, 1.0f, shape.describe()});
         }
-    const AttentionShape many_tiles =
-        make_shape(2100, 32, 8, 3, 5, tested_head_dims(chapter).front(), true);
-    add({many_tiles, 1.0f, many_tiles.describe()});
+        if (d == head_dims.front() && !causal) continue;  // in the matrix already
+        const AttentionShape many_tiles = make_shape(2100, 32, 8, 3, 5, d, causal);
+        add({many_tiles, 1.0f, many_tiles.describe()});
+      }
   }
   return cases;
 }
