@@ -46,8 +46,9 @@ using bf16 = __nv_bfloat16;
 constexpr int kConsumerRows = 64;  // query rows per consumer: wgmma's M
 constexpr int kProducerRegisters = 24;
 // The block by head dim and tile width: consumer warpgroups, threads (one producer warpgroup
-// more), query rows, and each consumer's registers from setmaxnreg: 128 x 24 + 384 x 160 = 64,512
-// at d 64, 128 x 24 + 256 x 240 = 64,512 at d 128, of the SM's 65,536.
+// more), query rows, and each consumer's registers from setmaxnreg with the static schedule:
+// 128 x 24 + 384 x 160 = 64,512 at d 64, 128 x 24 + 256 x 240 = 64,512 at d 128, of the SM's
+// 65,536 (the dynamic schedule's split is in the kernel: 32 / 160 and 40 / 232).
 template <int kHeadDim, bool kWide>
 struct Block {
   static_assert(!kWide || kHeadDim == 128, "wide tiles at head_dim 128 only");
@@ -244,8 +245,8 @@ __device__ void rescale(float (&o)[kN], const float (&alpha)[2]) {
 // ---------------------------------------------------------------------------------------------
 
 // The work is a list of tiles, one per (query block, batch x head): tile i is query block
-// num_q_blocks - 1 - i % num_q_blocks of (batch, head) i / num_q_blocks (chapter 10's order; with
-// a block per tile it is chapter 33's). What a tile needs of its place in the list:
+// num_q_blocks - 1 - i % num_q_blocks of (batch, head) i / num_q_blocks (chapter 10's order, the
+// order of chapter 33's blocks). What a tile needs of its place in the list:
 template <int kHeadDim, bool kWide>
 struct Tile {
   int batch_head, kv_head, q_start;
@@ -411,7 +412,10 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
   // K/V tiles of the ring this block's consumers have read before this tile, and tiles done
   // (unsigned: % and / by kStages cost less).
   unsigned read = 0, round = 0;
-  bool signalled = false;  // a signal from the last consumer waits on consumer 0's barrier
+  // Whether a signal from the last consumer waits on consumer 0's barrier. Every consumer keeps it
+  // alike (it follows from the tiles' key counts): the last one to skip its signal before a tile's
+  // first turn, consumer 0 to take a pending one before it leaves.
+  bool signalled = false;
   for (;; ++round) {
     // Q landed, and with it the tile's index, through a shuffle so that the compiler knows it is
     // the same in the whole warp (chapter 33).
@@ -498,7 +502,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
         if constexpr (B::kSplitRings) hopper::mbarrier_wait(&v_full[stage], index / kStages % 2);
         hopper::named_barrier_sync(own_barrier, kTurnThreads);
         issue_pv<kHeadDim, kBlockN>(o_acc, p, v_tile(stage));
-        // From the last consumer: the next tile's first signal.
+        // To the next consumer; from the last, consumer 0's first signal of the next tile.
         hopper::named_barrier_arrive(other_barrier, kTurnThreads);
         signalled = true;
         hopper::wgmma_wait<0>();
