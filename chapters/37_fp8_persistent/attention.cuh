@@ -16,7 +16,8 @@
 //
 // The producer needs registers for the tile loop: 40 instead of 24, the consumers giving up 8 at
 // d 128 (232) and at d 64 (152). At head_dim 256 no split fits without a spill: this chapter runs
-// head_dim 64 and 128, and chapter 36 stays the head_dim 256 kernel.
+// head_dim 64 and 128, and chapter 36 stays the head_dim 256 kernel (Block and Smem below keep
+// chapter 36's head_dim 256 entries; the kernel's static_assert refuses them).
 //
 // Everything else is chapter 36's: wgmma descriptors in uniform registers; the producer
 // warpgroup copies K by TMA and V in K's layout into two staging buffers and transposes V there
