@@ -46,19 +46,16 @@ namespace ch37 {
 using attn::AttentionShape;
 using bf16 = __nv_bfloat16;
 
-constexpr int kConsumerRows = 64;       // query rows per consumer: wgmma's M
-constexpr int kProducerRegisters = 24;  // the transpose too (transpose_tile) fits in them
+constexpr int kConsumerRows = 64;    // query rows per consumer: wgmma's M
 constexpr int kRawStages = 2;        // buffers of V as it lands, before the producer transposes it
 constexpr int kProducerBarrier = 4;  // the producer warpgroup's named barrier (consumers: 1-3)
-// The block by head dim: consumer warpgroups, threads (one producer warpgroup more), query rows,
-// and each consumer's registers from setmaxnreg: 128 x 24 + 384 x 160 = 64,512 at d 64,
-// 128 x 24 + 256 x 240 = 64,512 at d 128 and 256, of the SM's 65,536.
+// The block by head dim: consumer warpgroups, threads (one producer warpgroup more), query rows
+// (the registers from setmaxnreg are in the kernel: kProducerRegs, kConsumerRegs).
 template <int kHeadDim>
 struct Block {
   static constexpr int kConsumers = kHeadDim == 64 ? 3 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kRows = kConsumers * kConsumerRows;
-  static constexpr int kConsumerRegisters = kConsumers == 3 ? 160 : 240;
   // K/V buffers in the ring: 3, as in chapter 27, but 2 at d 256, where the two raw V buffers
   // take the third one's room (Q 32 KB + 2 x 64 KB of K and V^T + 2 x 32 KB of raw V, 230,400
   // bytes with the alignment, of the 232,448 a block may have).
@@ -386,8 +383,9 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
   // V landed.
   __shared__ uint64_t q_full, q_empty, full[kStages], empty[kStages], raw_full[kRawStages];
   // The tile the consumers work on next, written by producer thread 0 before its arrive on q_full;
-  // and the tile after the current one for the other producer threads, one slot per tile parity
-  // (a slot is written again two tiles later, after every producer thread has read it).
+  // and the tile after the current one for the other producer threads, one slot per parity of the
+  // round (the producer's count of tiles done: a slot is written again two rounds later, after
+  // every producer thread has read it).
   __shared__ int tile_slot, next_slot[2];
 
   // Warp-uniform to the compiler (lane 0's value), so that the descriptors built from this
