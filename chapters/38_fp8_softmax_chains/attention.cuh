@@ -6,9 +6,10 @@
 // 8% faster and the sum's 4%. The idea in one sentence: split each into kChains independent partial
 // chains, combined at the end, so that the warp has kChains instructions ready where it had one.
 //
-//   chapter 37:  m = max(m, s0) -> max(m, s1) -> max(m, s2) -> ...      (48 deep)
-//   this one:    m0 = max(m0, s0), m1 = max(m1, s1), m0 = max(m0, s2), ... then max(m0, m1)
-//                                                                         (24 deep, and 1)
+//   a row half's scores, two per 8-key chunk: s0 s1 (chunk 0), s2 s3 (chunk 1), ...
+//   chapter 37:  m = max(m, s0) -> max(m, s1) -> max(m, s2) -> max(m, s3) -> ...  (48 deep)
+//   this one:    m0 = max(m0, s0) -> max(m0, s1) -> max(m0, s4) -> ...   (24 deep)
+//                m1 = max(m1, s2) -> max(m1, s3) -> max(m1, s6) -> ...   (24 deep), max(m0, m1)
 //
 // The maximum is the same number whatever the order; the sum's rounding changes (fp32, one more
 // addition per row half), within the checks' tolerance. Everything else is chapter 37's: a
