@@ -61,19 +61,23 @@ constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;  // mma.sync.m16n8k16
 constexpr int kBlockN = 64;                       // keys per tile
 constexpr int kMaxRowTiles = 4;                   // at most 64 query rows per block
 constexpr int kMaxSplits = 256;                   // splits of one cache, at most
-// K and V tiles in flight: one in use, two being copied. At d = 128 a stage is 34 KB, so a block
-// takes 106 KiB of shared memory and two blocks fit on an H100 SM: about 128 KB of copies in flight
-// per SM, several times what its share of the bandwidth needs (about 23 GB/s per SM x 1-2 us).
+// K and V tiles in flight: one in use, two being copied. At d = 128 a stage is 32 KB, so a block
+// takes 100-112 KiB of shared memory and two blocks fit on an H100 SM: about 128 KB of copies in
+// flight per SM, several times what its share of the bandwidth needs (about 23 GB/s per SM x 1-2
+// us).
 constexpr int kStages = 3;
-// Shared-memory rows padded by 16 bytes (chapter 07): the 8 rows an ldmatrix phase reads start
-// in 8 different groups of 4 banks.
-constexpr int kPad = 8;
+// Shared-memory rows are not padded (chapter 07 padded them by 16 bytes): 16-byte chunk c of row r
+// is stored at chunk c ^ (r % 8) of the row, so the 8 rows an ldmatrix phase reads (one chunk
+// each) still fall in 8 different groups of 4 banks, and every copy's 16 bytes land in a 128-byte
+// line of their own row. With padded rows the copies streamed 3.6% slower (README, "What limits
+// it").
+__device__ int swizzle(int row, int col) { return col ^ (row & 7) << 3; }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 template <int kHeadDim, int kRowTiles>
 struct Smem {
-  static constexpr int kStride = kHeadDim + kPad;  // bf16 per row of a Q, K or V tile
+  static constexpr int kStride = kHeadDim;  // bf16 per row of a Q, K or V tile
   static constexpr int kRows = kRowTiles * kMmaM;
   static constexpr size_t kTiles = size_t(kRows + kStages * 2 * kBlockN) * kStride * sizeof(bf16);
   // The warps' partial results, merged at the end in the same memory: per key slice, O (fp32,
@@ -120,7 +124,8 @@ __device__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* row) {
 __device__ void load_a(uint32_t (&a)[4], const bf16* tile, int stride, int row0, int col0,
                        int lane) {
   const int quarter = lane / 8, r = lane % 8;
-  ldmatrix_x4(a, tile + (row0 + r + 8 * (quarter % 2)) * stride + col0 + 8 * (quarter / 2));
+  const int row = row0 + r + 8 * (quarter % 2);
+  ldmatrix_x4(a, tile + row * stride + swizzle(row, col0 + 8 * (quarter / 2)));
 }
 
 // B fragments of two n-tiles whose column n is row row0 + n of the tile (K for S = Q K^T).
@@ -128,7 +133,8 @@ __device__ void load_b_rows(uint32_t (&b)[2][2], const bf16* tile, int stride, i
                             int lane) {
   const int quarter = lane / 8, r = lane % 8;
   uint32_t regs[4];
-  ldmatrix_x4(regs, tile + (row0 + r + 8 * (quarter / 2)) * stride + col0 + 8 * (quarter % 2));
+  const int row = row0 + r + 8 * (quarter / 2);
+  ldmatrix_x4(regs, tile + row * stride + swizzle(row, col0 + 8 * (quarter % 2)));
   b[0][0] = regs[0], b[0][1] = regs[1], b[1][0] = regs[2], b[1][1] = regs[3];
 }
 
@@ -137,8 +143,8 @@ __device__ void load_b_columns(uint32_t (&b)[2][2], const bf16* tile, int stride
                                int col0, int lane) {
   const int quarter = lane / 8, r = lane % 8;
   uint32_t regs[4];
-  ldmatrix_x4_trans(regs,
-                    tile + (row0 + r + 8 * (quarter % 2)) * stride + col0 + 8 * (quarter / 2));
+  const int row = row0 + r + 8 * (quarter % 2);
+  ldmatrix_x4_trans(regs, tile + row * stride + swizzle(row, col0 + 8 * (quarter / 2)));
   b[0][0] = regs[0], b[0][1] = regs[1], b[1][0] = regs[2], b[1][1] = regs[3];
 }
 
@@ -191,21 +197,25 @@ __device__ void wait_for_previous_grid() {
 #endif
 }
 
-// Starts copying rows [row0, row0 + kRows) of a [rows][kHeadDim] matrix into a padded shared tile;
-// rows at or past row_end are not read and become zeros.
+// Starts copying rows [row0, row0 + kRows) of a [rows][kHeadDim] matrix into a swizzled shared
+// tile; rows at or past row_end are not read and become zeros.
 template <int kRows, int kHeadDim>
 __device__ void load_tile_async(bf16* tile, const bf16* src, int row0, int row_end) {
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  constexpr int kStride = kHeadDim + kPad;
+  constexpr int kStride = kHeadDim;
   const int r = threadIdx.x / kChunksPerRow, c = threadIdx.x % kChunksPerRow * 8;
+  // A pass moves on by kRowsPerPass rows, a multiple of 8: every row this thread copies has the
+  // swizzle of its first.
+  static_assert(kRowsPerPass % 8 == 0, "the same swizzle on every pass");
+  bf16* dst = tile + r * kStride + swizzle(r, c);
 #pragma unroll
   for (int pass = 0; pass < (kRows + kRowsPerPass - 1) / kRowsPerPass; ++pass) {
     const int row = pass * kRowsPerPass + r;
     if (kRows % kRowsPerPass != 0 && row >= kRows) break;
     const bool valid = row0 + row < row_end;
-    cp_async_16(tile + row * kStride + c, valid ? src + (int64_t(row0) + row) * kHeadDim + c : src,
-                valid);
+    cp_async_16(dst + pass * kRowsPerPass * kStride,
+                valid ? src + (int64_t(row0) + row) * kHeadDim + c : src, valid);
   }
 }
 
@@ -233,8 +243,10 @@ struct DecodeArgs {
 
 // One block per (sequence, kv head, split, row block), in that order from slowest to fastest, so
 // the row blocks that read the same keys run side by side.
+// (The bound's one block per SM is a floor, not the aim: two fit. Without it ptxas held
+// chapter 20's head_dim 64 kernel to 128 registers and spilled.)
 template <int kHeadDim, int kRowTiles>
-__global__ void __launch_bounds__(kThreads) split_kv_kernel(const DecodeArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) split_kv_kernel(const DecodeArgs args) {
   using S = Smem<kHeadDim, kRowTiles>;
   constexpr int kStride = S::kStride;
   constexpr int kRows = S::kRows;                      // query rows of the block
