@@ -68,9 +68,9 @@ constexpr int kMaxSplits = 256;                   // splits of one cache, at mos
 constexpr int kStages = 3;
 // Shared-memory rows are not padded (chapter 07 padded them by 16 bytes): 16-byte chunk c of row r
 // is stored at chunk c ^ (r % 8) of the row, so the 8 rows an ldmatrix phase reads (one chunk
-// each) still fall in 8 different groups of 4 banks, and every copy's 16 bytes land in a 128-byte
-// line of their own row. With padded rows the copies streamed 3.6% slower (README, "What limits
-// it").
+// each) still fall in 8 different groups of 4 banks, and the 8 copies that write 128 bytes of a
+// row fill one 128-byte line of shared memory, where padded rows made them straddle two. Padded,
+// the copies streamed 3.6% slower (chapter 19's README, "Swizzled rows").
 __device__ int swizzle(int row, int col) { return col ^ (row & 7) << 3; }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFullWarp = 0xffffffffu;
