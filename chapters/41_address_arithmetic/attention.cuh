@@ -11,7 +11,7 @@
 //       address(ks) = address(0) ^ (ks * 32)        chunk (2 ks + h) ^ r = ((h ^ r) ^ 2 ks)
 //     one LOP3 per step for the A fragments and one for the B fragments, instead of the swizzle's
 //     multiply-shift-xor-add chain for each of them;
-//   phase 3 (dQ): one pointer per lane and step; its 8 (d = 128) 16-byte reductions are that
+//   phase 3 (dQ): one pointer per lane and step; its 8 16-byte reductions are that
 //     pointer plus a constant, and unmasked steps (wholly inside the sequence) test no row;
 //   the loop: (first row of the query head, first query of the block) advance by kBlockM and wrap
 //     to the next head, where chapter 40 divided the step index by the steps per head, twice.
@@ -92,7 +92,7 @@
 // of a 32 x 32 tile, 32 each: 192 floats. With the fragments and addresses that is 250-254 of the
 // 255 registers (-Xptxas -v, CUDA 13.0, sm_80 and sm_90) and nothing spills, so P stays in fp32
 // registers until dS = P (dP - D) as at d = 128; had it spilled, the fallback was to keep P
-// packed as bf16 (32 registers) once it is stored. Shared memory at d = 64: 166 KiB per block.
+// packed as bf16 (32 registers) once it is stored. Shared memory at d = 64: 166.25 KiB per block.
 //
 // Barriers of a step, and why each buffer is free when it is written (the same at both head
 // dims; only kBlockM, and with it the sizes of the buffers, differs):
@@ -219,7 +219,7 @@ struct KvSmem {
   static constexpr size_t kBytes =
       size_t(2 * kMainBlockN + 2 * kStages * kBlockM) * kStride<kHeadDim> * sizeof(bf16) +
       2 * kStages * kBlockM * sizeof(float) + size_t(2 * kBlockM) * kScoreStride * sizeof(bf16) +
-      256;  // to round the start up to 256 bytes (the kernel's first lines)
+      256;  // see the rounding of smem_raw in backward_kernel
 };
 // The dQ kernel's: Q and dO [kDqBlockM][kStride]; K_j, kStages buffers, then V_j, kStages
 // buffers, each [kBlockN][kStride].
@@ -1106,9 +1106,9 @@ inline attn::BackwardChapter chapter() {
           "XOR, and its steps walked by counters",
           attn::DType::kBF16,
           {64, 128},
-          // The d = 64 main kernel takes 166 KiB of shared memory per block, which only Hopper
-          // offers (227 KiB; an A100 gives 163, just what the d = 128 kernel now takes): an Ampere
-          // GPU is refused with a sentence instead of failing at launch.
+          // The main kernel takes 166.25 KiB of shared memory per block at d = 64 and 163.25 at
+          // d = 128, which only Hopper offers (227 KiB; an A100 gives 163, 166,912 bytes): an
+          // Ampere GPU is refused with a sentence instead of failing at launch.
           90,
           /*has_deterministic_mode=*/true,
           workspace_bytes,
