@@ -1,11 +1,12 @@
 // Chapter 39: the rescale skipped when no row moved. After each key block's softmax a consumer
 // thread multiplies its part of O by alpha = 2^(m_old c - m_new c): 64 FMUL at d 128 (32 at d 64)
-// per thread and block, in the same instruction stream that sets a key block's time (chapter
-// 38). When no row's maximum grew, alpha is exactly 1 (m_old c rounded by __fmul_rn as m_new c
-// was, the same float on both sides; chapter 06's README) and the multiplies change nothing. On a long row that is most blocks: a row's
-// maximum grows at block j with probability about 1 / j for scores in random order. The idea in
-// one sentence: one vote per warp (__any_sync) on whether any of its 16 rows has alpha != 1, and
-// the multiplies only when one has; the outputs are bit for bit chapter 38's.
+// per thread and block, in the same instruction stream that sets a key block's time (chapter 38).
+// When no row's maximum grew, alpha is exactly 1 (m_old c rounded by __fmul_rn as m_new c was, the
+// same float on both sides; chapter 06's README) and the multiplies change nothing. On a long row
+// that is most blocks: a row's maximum grows at block j with probability about 1 / j for scores in
+// random order. The idea in one sentence: one vote per warp (__any_sync) on whether any of its 16
+// rows has alpha != 1, and the multiplies only when one has; the outputs are bit for bit chapter
+// 38's.
 //
 // Chapter 31 took the same vote in bf16 with a threshold (a row rescaled only when its maximum
 // outgrew a stale reference by 8 in log2 units), which skips more blocks but needs room above P's

@@ -1,8 +1,8 @@
 // Chapter 40: swizzled tiles. Chapter 18's backward pass (FlashAttention-2's warp tiling, the
 // fragment pipeline of phase 1, dQ by atomics or a separate deterministic kernel) with one change:
-// the Q, dO, K and V tiles in shared memory are no longer padded by 16 bytes a row (chapter 07's fix
-// for ldmatrix's bank conflicts) but swizzled, as chapter 19 taught for the decode arc. The 16-byte
-// chunk c of row r is stored at chunk c ^ (r % 8) of the row:
+// the Q, dO, K and V tiles in shared memory are no longer padded by 16 bytes a row (chapter 07's
+// fix for ldmatrix's bank conflicts) but swizzled, as chapter 19 taught for the decode arc. The
+// 16-byte chunk c of row r is stored at chunk c ^ (r % 8) of the row:
 //
 //   padded (chapter 18), d = 128: 272-byte rows     swizzled (chapter 40): 256-byte rows
 //     row 0: c0 c1 c2 c3 c4 c5 c6 c7 ... c15 pad    row 0: c0 c1 c2 c3 c4 c5 c6 c7 | c8 ...
