@@ -15,8 +15,9 @@
 //     lane 8 i + j: address of row j, columns 8 i .. 8 i + 7
 //
 // 16 stmatrix per lane and step at d = 64 replace 64 stores. At d = 128 the same stores made the
-// atomic mode 3-4% slower (the README's "Measured": the loss comes with phase 3's dQ reductions),
-// so there the score tiles keep chapter 41's 4-byte stores. Everything else is chapter 41's.
+// atomic mode 3-4% slower (the README's "Why not at head_dim 128": the loss comes with phase 3's
+// dQ reductions), so there the score tiles keep chapter 41's 4-byte stores. Everything else is
+// chapter 41's.
 //
 // One step (kBlockM queries of one query head) of the main kernel, with Q_i, dO_i, LSE_i and D_i
 // in shared memory (double-buffered) and K_j, V_j (128 keys) there for the whole kernel:
@@ -689,7 +690,7 @@ __global__ void __launch_bounds__(kMainThreads, 1)
   // matrices of one store are the four n-tiles (32 keys) of 8 rows. At d = 128, 4-byte stores as
   // in chapter 41: lane (g, t) writes row 16 mt + g (+ 8), column 8 nt + 2t; a row is 68 words,
   // 4 g + t modulo 32 banks, so the 32 lanes hit 32 different banks. (stmatrix measured slower
-  // there in the atomic mode, with the dQ reductions: the README's "Measured".)
+  // there in the atomic mode, with the dQ reductions: the README's "Why not at head_dim 128".)
   static_assert(kSdpNTiles == 4, "one stmatrix.x4 per 8 rows of a warp's tile");
   const uint32_t score_lane_offset =
       ((sdp_row0 + lane % 8) * kScoreStride + sdp_col0 + 8 * (lane / 8)) * sizeof(bf16);
