@@ -899,9 +899,10 @@ __global__ void __launch_bounds__(kMainThreads, 1)
     // the values would hold registers through the loop, which at d = 128 has none to spare.)
     const unsigned split_item = blockIdx.x / pieces;
     const int piece = int(blockIdx.x % pieces);
-    // A piece: its sums to its slot, [kSlotChunks][kMainThreads] float4 (thread-major, so that
-    // neighbouring threads write neighbouring 16 bytes). The fence makes them visible to the
-    // whole GPU before the count says so; the barrier, before thread 0 counts the block in.
+    // A piece: its sums to its slot, [2][kChunks][kMainThreads] float4 (dK's chunks, then dV's;
+    // thread-major, so that neighbouring threads write neighbouring 16 bytes). The fence makes
+    // them visible to the whole GPU before the count says so; the barrier, before thread 0 counts
+    // the block in. No piece waits for another: the last to count does the sum.
     constexpr int kChunks = kDkvMTiles * kDkvNTiles;  // float4 per accumulator and thread
     float4* slot = partials + (int64_t(split_item) * pieces + piece) * (2 * kChunks * kMainThreads);
 #pragma unroll
@@ -919,7 +920,8 @@ __global__ void __launch_bounds__(kMainThreads, 1)
     __syncthreads();
     if (!last_piece) return;
     // The last piece: every slot, in piece order (ld.global.cg: from L2, where the other SMs'
-    // stores are; this SM's L1 may hold nothing of them, but it is not asked).
+    // stores are; this SM's L1 may hold nothing of them, but it is not asked). Its fence orders
+    // the reads after the count it saw, so that they see what the pieces counted before it wrote.
     __threadfence();
     const float4* first = partials + int64_t(split_item) * pieces * (2 * kChunks * kMainThreads);
 #pragma unroll
@@ -1179,7 +1181,7 @@ void allow_shared_memory(size_t bytes) {
 
 // The main kernel in up to two launches: the whole key blocks (chapter 42's kernel, its waves
 // all full), then the pieces of the last wave's key blocks. The second starts when the first has
-// finished, which costs nothing here: every block of the first ends at about the same time.
+// finished: its slowest block, a wait the README counts among the split's costs.
 template <int kHeadDim, bool kComputeDq>
 void launch_backward(const attn::BackwardParams& params, const float* delta, float* dq_accum,
                      cudaStream_t stream) {
