@@ -1,12 +1,12 @@
 // Chapter 43: the last wave. Chapter 42's backward pass (swizzled tiles, stmatrix stores of the
 // score tiles at d = 64, FlashAttention-2's warp tiling, dQ by atomics or a separate deterministic
-// kernel) runs one thread block per (block of 128 keys, key/value head), one block per SM (its
-// shared memory). Without the mask every block does the same work, so a launch takes as long as
-// its number of waves rounded up: at head_dim 64 the benchmark grid has 4096 blocks, 31.03 waves
-// of 132 SMs, and the 32nd wave runs 4 blocks while 128 SMs wait, about 3% of the time. The idea:
-// split the blocks of a nearly empty last wave. Without the mask, when the last wave is at most
-// half full, its key blocks run as `pieces` thread blocks each, in a second launch, each walking
-// a contiguous share of the block's steps and summing its own dK and dV; the last piece to
+// kernel) runs one thread block per (block of 128 keys, key/value head, sequence), one block per
+// SM (its shared memory). Without the mask every block does the same work, so a launch takes as
+// long as its number of waves rounded up: at head_dim 64 the benchmark grid has 4096 blocks, 31.03
+// waves of 132 SMs, and the 32nd wave runs 4 blocks while 128 SMs wait, about 3% of the time. The
+// idea: split the blocks of a nearly empty last wave. Without the mask, when the last wave is at
+// most half full, its key blocks run as `pieces` thread blocks each, in a second launch, each
+// walking a contiguous share of the block's steps and summing its own dK and dV; the last piece to
 // finish adds up all the pieces' sums and writes dK and dV as before:
 //
 //   launch 1: key blocks 0 .. first_split - 1, whole: chapter 42's kernel (kPieces = false, the
