@@ -97,7 +97,7 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
       }
     }
   }
-  // The Hopper chapters (21-39): lengths that are whole multiples of their key tiles (352 = 2 x
+  // The Hopper chapters (21-39, 44): lengths that are whole multiples of their key tiles (352 = 2 x
   // 176, chapters 32-35 at head_dim 128 without the mask; 384 = 3 x 128, and 2 x 192 for the FP8
   // chapters' head_dim 128; 176 one wide tile), so that no tile is partial and the rings' last
   // stages are full, which the matrix's lengths never are; and the matrix's batch x heads above
@@ -116,6 +116,15 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
         const AttentionShape many_tiles = make_shape(2100, 32, 8, 3, 5, d, causal);
         add({many_tiles, 1.0f, many_tiles.describe()});
       }
+    // Shapes whose last round chapter 44 splits along the keys (without the mask, on GPUs of up
+    // to 132 SMs; the million keys above are split too): 12 tiles (8 at head_dim 64) of 300 query
+    // rows in 3 (2) query blocks, the last partial, over 9000 keys; and 150 tiles of 33 rows over
+    // 5300 keys, GQA 5, so that 132 blocks walk a whole round first and share the 18 left. The
+    // pieces' runs start and end inside tiles, and the last key block of each is partial.
+    for (int d : head_dims)
+      for (const AttentionShape& shape :
+           {make_shape(1, 4, 2, 300, 9000, d), make_shape(2, 75, 15, 33, 5300, d)})
+        add({shape, 1.0f, shape.describe()});
   }
   return cases;
 }
