@@ -117,10 +117,11 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
         add({many_tiles, 1.0f, many_tiles.describe()});
       }
     // Shapes whose last round chapter 44 splits along the keys (without the mask, on GPUs of up
-    // to 132 SMs; the million keys above are split too): 12 tiles (8 at head_dim 64) of 300 query
-    // rows in 3 (2) query blocks, the last partial, over 9000 keys; and 150 tiles of 33 rows over
-    // 5300 keys, GQA 5, so that 132 blocks walk a whole round first and share the 18 left. The
-    // pieces' runs start and end inside tiles, and the last key block of each is partial.
+    // to 132 SMs; the million keys above are split too): 4 heads of 300 query rows over 9000 keys,
+    // 12 tiles at head_dim 128 (8 at 64), the last query block of each head partial; and 150 tiles
+    // of 33 rows over 5300 keys, GQA 5, so that 132 blocks walk a whole round first and share the
+    // 18 left. The pieces' runs start and end inside tiles, and the last key block of each is
+    // partial.
     for (int d : head_dims)
       for (const AttentionShape& shape :
            {make_shape(1, 4, 2, 300, 9000, d), make_shape(2, 75, 15, 33, 5300, d)})
