@@ -285,7 +285,7 @@ struct Tile {
   }
 };
 
-// The static schedule's plan, made by launch_tiles. Tiles 0 .. whole - 1 are walked whole, block b
+// The static schedule's plan, made by plan(). Tiles 0 .. whole - 1 are walked whole, block b
 // taking b, b + blocks, ...; the tail tiles after them, whole .. whole + tail - 1, are shared out
 // by key blocks. Counted tile by tile, the tail has tail x kv_blocks key blocks (no mask: every
 // tile sees all the keys), cut into blocks runs as equal as integers allow: block b takes key
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(Block<kHeadDim, kWide>::kThreads, 1)
                              kv_block * kBlockN, w.kv_head);
         }
         // The next tile, asked for once this one's copies are all issued, well before the
-        // consumers need it (after the whole tiles, the stride stays past split.whole).
+        // consumers need it. Past split.whole the tile stays there and the run's pieces follow.
         if (tile < split.whole)
           tile = kDynamic ? int(gridDim.x) + atomicAdd(tile_counter, 1) : tile + int(gridDim.x);
       }
