@@ -34,6 +34,16 @@ neither a GPU nor PyTorch:
 Timing follows the chapters' convention (common/timing.cpp): CUDA events around each launch,
 10 warm-up launches, the median of 50. FLOPs: 4 * B * H * N^2 * D, halved for causal (and times
 2.5 for the backward).
+
+Paired rounds. The ladder times every chapter first and this script the peers afterwards, minutes
+apart; at the board's power limit the clock drifts between the two, and a cell's ratio moves with
+it (several percent from run to run on the H100). `--rounds N` (forward and backward) instead runs
+each chapter's binary again for every record, shape by shape, alternating with the peers N times
+(chapter, peers, chapter, peers, ...), and reports the median over the rounds of each TFLOP/s and
+of each round's ratio, with the ratios' lowest and highest; the ladder CSV then only says which
+chapters and shapes to run (its timings are not used):
+
+    python3 scripts/compare_sdpa.py build/grid.csv --rounds 5 --out build/comparison.csv
 """
 import argparse
 import csv
@@ -170,36 +180,77 @@ def sdpa_decode_gbps(shape, flush):
     return result
 
 
-def compare_attention(records, backward):
+def attention_shape(record):
+    return (int(record["batch"]), int(record["heads_q"]), int(record["seqlen_q"]),
+            int(record["head_dim"]), record["causal"] == "1")
+
+
+def chapter_tflops(record, bin_dir):
+    """TFLOP/s of the record's chapter on the record's problem, timed again now by its binary
+    (--no-check: the ladder's run and the tests check the same kernels)."""
+    import subprocess
+
+    command = [os.path.join(bin_dir, record["chapter"]), "--batch", record["batch"],
+               "--heads", record["heads_q"], "--heads-kv", record["heads_kv"],
+               "--seqlen-q", record["seqlen_q"], "--seqlen-k", record["seqlen_k"],
+               "--head-dim", record["head_dim"], "--no-check", "--csv"]
+    if record["causal"] == "1":
+        command.append("--causal")
+    if record.get("deterministic") == "1":
+        command.append("--deterministic")
+    run = subprocess.run(command, capture_output=True, text=True)
+    lines = run.stdout.strip().splitlines()
+    if run.returncode != 0 or len(lines) < 2:
+        sys.exit(f"compare_sdpa.py: {' '.join(command)} failed: {run.stderr.strip()}")
+    return float(next(csv.DictReader(lines[-2:]))["tflops"])
+
+
+def compare_attention(records, backward, rounds, bin_dir):
     """Forward or backward records: one row per record, the chapter's TFLOP/s beside the peers'.
-    Backward records carry their mode; a deterministic run is its own line of the table and plot."""
-    shapes = sorted({(int(r["batch"]), int(r["heads_q"]), int(r["seqlen_q"]), int(r["head_dim"]),
-                      r["causal"] == "1") for r in records})
-    peers = {}
+    Backward records carry their mode; a deterministic run is its own line of the table and plot.
+    With rounds > 1 the chapters are timed again, alternating with the peers shape by shape."""
+    shapes = sorted(set(map(attention_shape, records)))
+    # samples[i]: record i's TFLOP/s per round; peer_samples[shape][name]: the peer's per round.
+    samples = [[float(r["tflops"])] if rounds == 1 else [] for r in records]
+    peer_samples = {}
     for shape in shapes:
-        peers[shape] = sdpa_tflops(shape, backward)
+        peer_samples[shape] = {name: [] for name in BACKENDS}
+        for _ in range(rounds):
+            if rounds > 1:
+                for i, r in enumerate(records):
+                    if attention_shape(r) == shape:
+                        samples[i].append(chapter_tflops(r, bin_dir))
+            for name, tflops in sdpa_tflops(shape, backward).items():
+                peer_samples[shape][name].append(tflops)
 
     rows = []
-    for r in records:
-        shape = (int(r["batch"]), int(r["heads_q"]), int(r["seqlen_q"]), int(r["head_dim"]),
-                 r["causal"] == "1")
-        peer = peers[shape]
-        tflops = float(r["tflops"])
+    for r, own in zip(records, samples):
+        shape = attention_shape(r)
+        peer = peer_samples[shape]
         chapter = r["chapter"]
         if backward and r["deterministic"] == "1":
             chapter += " (deterministic)"
+        # Each round's ratio pairs the chapter with the peers timed right after it.
+        ratios = {name: [a / b for a, b in zip(own, peer[name])] for name in BACKENDS}
         rows.append(dict(chapter=chapter, head_dim=shape[3], seqlen=shape[2], batch=shape[0],
-                         heads=shape[1], causal=int(shape[4]), passed=r["passed"], tflops=tflops,
-                         fa2=peer["fa2"], cudnn=peer["cudnn"],
-                         vs_fa2=tflops / peer["fa2"], vs_cudnn=tflops / peer["cudnn"]))
+                         heads=shape[1], causal=int(shape[4]), passed=r["passed"],
+                         tflops=statistics.median(own), fa2=statistics.median(peer["fa2"]),
+                         cudnn=statistics.median(peer["cudnn"]),
+                         vs_fa2=statistics.median(ratios["fa2"]),
+                         vs_cudnn=statistics.median(ratios["cudnn"]), rounds=rounds,
+                         vs_cudnn_low=min(ratios["cudnn"]), vs_cudnn_high=max(ratios["cudnn"])))
 
     print("backward pass" if backward else "forward pass")
+    if rounds > 1:
+        print(f"{rounds} rounds, chapter and peers alternating; medians, and the lowest and highest "
+              "x cuDNN of a round")
     print(f"{'chapter':38} {'d':>4} {'seqlen':>6} {'causal':>6} {'TFLOP/s':>8} {'FA2':>7} "
-          f"{'cuDNN':>7} {'x FA2':>6} {'x cuDNN':>7}")
+          f"{'cuDNN':>7} {'x FA2':>6} {'x cuDNN':>7}" + ("  low..high" if rounds > 1 else ""))
     for r in rows:
+        spread = f"  {r['vs_cudnn_low']:.3f}..{r['vs_cudnn_high']:.3f}" if rounds > 1 else ""
         print(f"{r['chapter']:38} {r['head_dim']:4d} {r['seqlen']:6d} {r['causal']:6d} "
               f"{r['tflops']:8.1f} {r['fa2']:7.1f} {r['cudnn']:7.1f} {r['vs_fa2']:6.2f} "
-              f"{r['vs_cudnn']:7.2f}")
+              f"{r['vs_cudnn']:7.2f}" + spread)
     return rows
 
 
@@ -373,7 +424,12 @@ def main():
                         help="only draw --plot from a forward or backward comparison CSV")
     parser.add_argument("--title", default="", help="with --replot: a prefix of each panel's title "
                         "(e.g. 'backward, ')")
+    parser.add_argument("--rounds", type=int, default=1, help="forward and backward: time each "
+                        "chapter again, alternating with the peers this many times per shape")
+    parser.add_argument("--bin", default="build/bin", help="with --rounds: the chapter binaries")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds is 1 or more")
 
     if args.replot:
         replot(args.replot, args.plot, args.title)
@@ -401,8 +457,10 @@ def main():
 
     kind = ("decode" if "kv_gbps" in records[0] else
             "backward" if "deterministic" in records[0] else "forward")
-    rows = compare_decode(records) if kind == "decode" else compare_attention(records,
-                                                                              kind == "backward")
+    if kind == "decode" and args.rounds > 1:
+        sys.exit("compare_sdpa.py: --rounds is for forward and backward records")
+    rows = (compare_decode(records) if kind == "decode" else
+            compare_attention(records, kind == "backward", args.rounds, args.bin))
     if not rows:
         sys.exit(f"compare_sdpa.py: no record of {args.ladder_csv} has a shape to compare")
     with open(args.out, "w", newline="") as f:
