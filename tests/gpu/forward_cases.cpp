@@ -97,13 +97,14 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
       }
     }
   }
-  // The Hopper chapters (21-39, 44): lengths that are whole multiples of their key tiles (352 = 2 x
-  // 176, chapters 32-35 at head_dim 128 without the mask; 384 = 3 x 128, and 2 x 192 for the FP8
-  // chapters' head_dim 128; 176 one wide tile), so that no tile is partial and the rings' last
+  // The Hopper chapters (21-39, 44-45): lengths that are whole multiples of their key tiles (352 =
+  // 2 x 176, chapters 32-35 at head_dim 128 without the mask; 384 = 3 x 128, and 2 x 192 for the
+  // FP8 chapters' head_dim 128; 176 one wide tile), so that no tile is partial and the rings' last
   // stages are full, which the matrix's lengths never are; and the matrix's batch x heads above
   // 65535 at every head dim, causal and not: 67,200 tiles of one query row and one key block, so
-  // that each persistent block of chapters 34-35 and 37-39 walks about 500 of them (at head_dim 128
-  // without the mask, chapter 32's two-stage rings; causal, most handed out by the counter).
+  // that each persistent block of chapters 34-35, 37-39 and 44-45 walks about 500 of them (at
+  // head_dim 128 without the mask, chapter 32's two-stage rings; causal, most handed out by the
+  // counter).
   if (chapter.arch_specific == 90) {
     const std::vector<int> head_dims = tested_head_dims(chapter);
     for (int d : head_dims)
@@ -116,15 +117,20 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
         const AttentionShape many_tiles = make_shape(2100, 32, 8, 3, 5, d, causal);
         add({many_tiles, 1.0f, many_tiles.describe()});
       }
-    // Shapes whose last round chapter 44 splits along the keys (without the mask, on GPUs of up
-    // to 132 SMs; the million keys above are split too): 4 heads of 300 query rows over 9000 keys,
-    // 12 tiles at head_dim 128 (8 at 64), the last query block of each head partial; and 150 tiles
-    // of 33 rows over 5300 keys, GQA 5, so that 132 blocks walk a whole round first and share the
-    // 18 left. The pieces' runs start and end inside tiles, and the last key block of each is
-    // partial.
+    // Shapes whose last round chapters 44 and 45 split along the keys (without the mask, on GPUs
+    // of up to 132 SMs; the million keys above are split too): 4 heads of 300 query rows over 9000
+    // keys, 12 tiles at head_dim 128 (8 at 64), the last query block of each head partial; and 150
+    // tiles of 33 rows over 5300 keys, GQA 5, so that 132 blocks walk a whole round first and
+    // share the 18 left (chapter 45 splits it at head_dim 64 only: at 128 its runs would be 3.8 of
+    // its 192-key blocks, under its floor of 4). The last, split by both at both head dims on 132
+    // SMs: 222 tiles of 33 rows over 1200 keys, GQA 3, a whole round and 90 left, runs of 4-5 key
+    // blocks of a tile's 7 at head_dim 128 (6-7 of 10 at 64), the runs of 66 of the 132 blocks (72
+    // at 64) crossing from one tile into the next. The pieces' runs start and end inside tiles, and
+    // the last key block of each is partial.
     for (int d : head_dims)
       for (const AttentionShape& shape :
-           {make_shape(1, 4, 2, 300, 9000, d), make_shape(2, 75, 15, 33, 5300, d)})
+           {make_shape(1, 4, 2, 300, 9000, d), make_shape(2, 75, 15, 33, 5300, d),
+            make_shape(2, 111, 37, 33, 1200, d)})
         add({shape, 1.0f, shape.describe()});
   }
   return cases;
