@@ -213,7 +213,9 @@ def compare_attention(records, backward, rounds, bin_dir):
     # samples[i]: record i's TFLOP/s per round; peer_samples[shape][name]: the peer's per round.
     samples = [[float(r["tflops"])] if rounds == 1 else [] for r in records]
     peer_samples = {}
-    for shape in shapes:
+    for number, shape in enumerate(shapes, 1):
+        if rounds > 1:  # a long run: say where it is (stderr, so that the table stays clean)
+            print(f"  shape {number} of {len(shapes)}: {shape}", file=sys.stderr, flush=True)
         peer_samples[shape] = {name: [] for name in BACKENDS}
         for _ in range(rounds):
             if rounds > 1:
