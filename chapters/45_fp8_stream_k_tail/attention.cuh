@@ -423,7 +423,8 @@ struct Unit {
 // 35). Producer thread 0 asks, and tells the consumers through unit_slot and the other producer
 // threads through next_slot. A piece's O / l and log-sum-exp (log2 units) go to piece_o and
 // piece_lse, [slot][row of the tile][...]. kSplit: compiled for a split plan; without it (causal
-// runs, and a plan that splits nothing) the kernel is chapter 39's, every unit a whole tile.
+// runs, and a plan that splits nothing) the kernel does chapter 39's arithmetic, every unit a
+// whole tile (some of the units' bookkeeping remains: the README's "What is left").
 template <int kHeadDim, bool kDynamic, bool kSplit>
 __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     fp8_persistent_kernel(const __grid_constant__ CUtensorMap q_map,
