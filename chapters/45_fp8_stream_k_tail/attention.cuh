@@ -411,8 +411,9 @@ struct Split {
 };
 
 // A unit of work, as producer thread 0 hands it to the consumers and the other producer threads:
-// key blocks [kv_begin, kv_end) of a tile, and the workspace slot its piece goes to (-1: a whole
-// tile, written to O and lse).
+// key blocks [kv_begin, kv_end) of a tile, and the workspace slot its piece goes to; or, with slot
+// -1, a whole tile (all its key blocks, counted by its Tile where it is used; kv_begin 0, kv_end
+// unused), written to O and lse.
 struct Unit {
   int tile, kv_begin, kv_end, slot;
 };
@@ -487,7 +488,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
   __syncthreads();
   // The merge kernel after this one may be launched now: it waits for this whole grid to finish
   // before it reads anything (chapter 19's programmatic dependent launch).
-  allow_next_grid();
+  if (kSplit) allow_next_grid();
 
   if (warpgroup == 0) {
     // The producer: thread 0 copies each tile's Q, then K and raw V by TMA; all 128 transpose each
@@ -508,21 +509,27 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     // thread 0's move on, the other threads learn each unit after the first from next_slot.
     int position = split.start(blockIdx.x), slot = 2 * blockIdx.x;
     const int run_end = split.start(blockIdx.x + 1);
-    // The unit of a tile below split.whole: the whole tile, all its key blocks. Past it, the next
-    // piece of the run (the tail tile its position is in, up to that tile's end or the run's),
-    // else the end of the list.
+    // The unit of a tile below split.whole: the whole tile. Past it, the next piece of the run
+    // (the tail tile its position is in, up to that tile's end or the run's), else the end of the
+    // list. Without kSplit every unit is a whole tile, as in chapter 39.
     auto unit_of = [&](int tile) {
-      Unit unit = {num_tiles, 0, 0, -1};
-      if (!kSplit || tile < split.whole) {
-        if (tile < num_tiles)
-          unit = {tile, 0, Tile<kHeadDim>(shape, tile, num_q_blocks).num_kv_blocks, -1};
-      } else if (position < run_end) {
-        const int i = position / split.kv_blocks;  // the tail tile
-        unit = {split.whole + i, position - i * split.kv_blocks,
-                min(run_end - i * split.kv_blocks, split.kv_blocks), slot++};
-        position += unit.kv_end - unit.kv_begin;
+      Unit unit = {tile, 0, 0, -1};
+      if (kSplit && tile >= split.whole) {
+        unit.tile = num_tiles;
+        if (position < run_end) {
+          const int i = position / split.kv_blocks;  // the tail tile
+          unit = {split.whole + i, position - i * split.kv_blocks,
+                  min(run_end - i * split.kv_blocks, split.kv_blocks), slot++};
+          position += unit.kv_end - unit.kv_begin;
+        }
       }
       return unit;
+    };
+    // A unit's key blocks: a piece's own, a whole tile's all of its Tile's (the constant 0 lets
+    // the compiler drop what a kernel without kSplit does not need).
+    auto begin_of = [&](const Unit& unit) { return kSplit ? unit.kv_begin : 0; };
+    auto end_of = [&](const Unit& unit, const Tile<kHeadDim>& w) {
+      return kSplit && unit.slot >= 0 ? unit.kv_end : w.num_kv_blocks;
     };
     // The unit after one of tile `tile`: the next whole tile, by stride or from the counter; past
     // split.whole the tile stays there and the run's pieces follow.
@@ -551,13 +558,15 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
               hopper::tma_load(smem + S::kQ + c * S::kTileBytes + p * S::kQPanelBytes, &q_map,
                                &q_full, p * S::kPanelWidth, w.q_start + c * kConsumerRows,
                                w.batch_head);
-          if (!preloaded && unit.kv_end > unit.kv_begin) load_raw_v(w.kv_head, unit.kv_begin, fill);
+          if (!preloaded && end_of(unit, w) > begin_of(unit))
+            load_raw_v(w.kv_head, begin_of(unit), fill);
         }
       }
       if (unit.tile >= num_tiles) break;
       const Tile<kHeadDim> w(shape, unit.tile, num_q_blocks);
+      const int kv_begin = begin_of(unit), kv_end = end_of(unit, w);
       preloaded = false;
-      for (int kv_block = unit.kv_begin; kv_block < unit.kv_end; ++kv_block, ++fill) {
+      for (int kv_block = kv_begin; kv_block < kv_end; ++kv_block, ++fill) {
         const unsigned stage = fill % kStages, use = fill / kStages, buffer = fill % kRawStages;
         const unsigned raw_phase = fill / kRawStages % 2;
         // Thread 0 waits for the stage's previous fill to have been read by every consumer
@@ -580,14 +589,14 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
         // The next raw V goes to the other buffer, whose transpose every producer thread
         // finished: this unit's next, or after its last, the next unit's first.
         if (thread == 0) {
-          if (kv_block + 1 < unit.kv_end) {
+          if (kv_block + 1 < kv_end) {
             load_raw_v(w.kv_head, kv_block + 1, fill + 1);
           } else {
             const Unit next = next_unit(unit.tile);
             next_slot[round % 2] = next;
             if (next.tile < num_tiles) {
               const Tile<kHeadDim> n(shape, next.tile, num_q_blocks);
-              if (next.kv_end > next.kv_begin) load_raw_v(n.kv_head, next.kv_begin, fill + 1);
+              if (end_of(next, n) > begin_of(next)) load_raw_v(n.kv_head, begin_of(next), fill + 1);
               preloaded = true;
             }
           }
@@ -597,7 +606,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
         hopper::fence_proxy_async();
         hopper::mbarrier_arrive(&full[stage]);
       }
-      if (thread == 0 && unit.kv_end == unit.kv_begin) next_slot[round % 2] = next_unit(unit.tile);
+      if (thread == 0 && kv_end == kv_begin) next_slot[round % 2] = next_unit(unit.tile);
       // Every producer thread learns the next unit.
       hopper::named_barrier_sync(kProducerBarrier, 128);
       unit = next_slot[round % 2];
@@ -640,10 +649,10 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     if (tile >= num_tiles) break;
     const Tile<kHeadDim> w(shape, tile, num_q_blocks);
     // The unit's key blocks, kv_begin + 0 .. kv_begin + num_kv_blocks - 1, and its piece's slot.
+    const int slot = kSplit ? __shfl_sync(kFullWarp, unit_slot.slot, 0) : -1;
     const int kv_begin = kSplit ? __shfl_sync(kFullWarp, unit_slot.kv_begin, 0) : 0;
     const int num_kv_blocks =
-        kSplit ? __shfl_sync(kFullWarp, unit_slot.kv_end, 0) - kv_begin : w.num_kv_blocks;
-    const int slot = kSplit ? __shfl_sync(kFullWarp, unit_slot.slot, 0) : -1;
+        slot >= 0 ? __shfl_sync(kFullWarp, unit_slot.kv_end, 0) - kv_begin : w.num_kv_blocks;
     const int row0 =
         w.q_start + consumer * kConsumerRows + 16 * warp + g;  // this thread's first row
 
