@@ -97,12 +97,12 @@ std::vector<ForwardCase> forward_cases(const ForwardChapter& chapter) {
       }
     }
   }
-  // The Hopper chapters (21-39, 44-45): lengths that are whole multiples of their key tiles (352 =
+  // The Hopper chapters (21-39, 44-46): lengths that are whole multiples of their key tiles (352 =
   // 2 x 176, chapters 32-35 at head_dim 128 without the mask; 384 = 3 x 128, and 2 x 192 for the
   // FP8 chapters' head_dim 128; 176 one wide tile), so that no tile is partial and the rings' last
   // stages are full, which the matrix's lengths never are; and the matrix's batch x heads above
   // 65535 at every head dim, causal and not: 67,200 tiles of one query row and one key block, so
-  // that each persistent block of chapters 34-35, 37-39 and 44-45 walks about 500 of them (at
+  // that each persistent block of chapters 34-35, 37-39 and 44-46 walks about 500 of them (at
   // head_dim 128 without the mask, chapter 32's two-stage rings; causal, most handed out by the
   // counter).
   if (chapter.arch_specific == 90) {
