@@ -690,11 +690,13 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     // A consumer whose rows all lie past the end of the queries (the last consumers of a tile at
     // the end of a sequence whose length is not a multiple of the tile's rows) sits the tile out.
     // It takes its turns, so that the ring of named barriers goes round as before, and tells the
-    // producer when it is done with each stage and with Q, as the others do (after waiting for the
-    // stage to be full, so that its arrival counts for this fill and not the one before); but it
-    // issues no wgmma, takes no softmax and writes nothing, and leaves the tensor cores and the
-    // exponential unit to the consumers that have rows. The test is the same for the whole
-    // warpgroup, so the branch is uniform, and the path for a consumer with rows is untouched.
+    // producer when it is done with each stage and with Q, as the others do; but it issues no
+    // wgmma, takes no softmax and writes nothing, and leaves the tensor cores and the exponential
+    // unit to the consumers that have rows. Its arrival on empty[stage] must count for this fill,
+    // not the one before: its turn comes after consumer 0's (which always has rows) and so after
+    // consumer 0's wait for the stage, and it waits on full[stage] itself too, so that the order
+    // does not rest on the ring alone. The test is the same for the whole warpgroup, so the
+    // branch is uniform, and the path for a consumer with rows is untouched.
     if (w.q_start + consumer * kConsumerRows >= shape.seqlen_q) {
       for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
         const unsigned index = read + kv_block, stage = index % kStages;
