@@ -49,6 +49,7 @@ import argparse
 import csv
 import os
 import statistics
+import subprocess
 import sys
 
 BACKENDS = ("fa2", "cudnn")  # PyTorch SDPA's flash (FlashAttention-2) and cuDNN backends
@@ -188,8 +189,6 @@ def attention_shape(record):
 def chapter_tflops(record, bin_dir):
     """TFLOP/s of the record's chapter on the record's problem, timed again now by its binary
     (--no-check: the ladder's run and the tests check the same kernels)."""
-    import subprocess
-
     command = [os.path.join(bin_dir, record["chapter"]), "--batch", record["batch"],
                "--heads", record["heads_q"], "--heads-kv", record["heads_kv"],
                "--seqlen-q", record["seqlen_q"], "--seqlen-k", record["seqlen_k"],
