@@ -435,8 +435,9 @@ struct Unit {
 // threads through next_slot. A piece's O / l and log-sum-exp (log2 units) go to piece_o and
 // piece_lse, [slot][row of the tile][...]. kSplit: compiled for a split plan; without it (causal
 // runs, and a plan that splits nothing) the kernel does chapter 39's arithmetic, every unit a
-// whole tile (some of the units' bookkeeping remains: the README's "What is left").
-template <int kHeadDim, bool kDynamic, bool kSplit>
+// whole tile (some of the units' bookkeeping remains: the README's "What is left"). kSitOut:
+// compiled with the path of a consumer without rows, launched only where some tile has one.
+template <int kHeadDim, bool kDynamic, bool kSplit, bool kSitOut>
 __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     fp8_persistent_kernel(const __grid_constant__ CUtensorMap q_map,
                           const __grid_constant__ CUtensorMap k_map,
@@ -696,8 +697,10 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     // not the one before: its turn comes after consumer 0's (which always has rows) and so after
     // consumer 0's wait for the stage, and it waits on full[stage] itself too, so that the order
     // does not rest on the ring alone. The test is the same for the whole warpgroup, so the
-    // branch is uniform, and the path for a consumer with rows is untouched.
-    if (w.q_start + consumer * kConsumerRows >= shape.seqlen_q) {
+    // branch is uniform, and the path for a consumer with rows is untouched. Compiled only where
+    // launched for a length that leaves consumers idle: a branch never taken still changed how
+    // ptxas scheduled the tile's start, and cost 2% where tiles are short (the README).
+    if (kSitOut && w.q_start + consumer * kConsumerRows >= shape.seqlen_q) {
       for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
         const unsigned index = read + kv_block, stage = index % kStages;
         if (kv_block == 0) {  // the first turn, S_0's
@@ -986,10 +989,19 @@ template <int kHeadDim, bool kDynamic>
 void launch_tiles(const attn::ForwardParams& params, cudaStream_t stream) {
   const AttentionShape& shape = params.shape;
   // The split kernel only where the plan splits: elsewhere the one without its unit bookkeeping.
-  auto kernel = fp8_persistent_kernel<kHeadDim, kDynamic, false>;
-  auto split_kernel = fp8_persistent_kernel<kHeadDim, false, true>;
+  // Each with the path of a consumer without rows only where the last tile of a sequence leaves
+  // at least one consumer's 64 rows wholly past its end.
+  const int last_rows = shape.seqlen_q % Block<kHeadDim>::kRows;
+  const bool sit_out = last_rows > 0 && last_rows <= Block<kHeadDim>::kRows - kConsumerRows;
+  auto kernel = sit_out ? fp8_persistent_kernel<kHeadDim, kDynamic, false, true>
+                        : fp8_persistent_kernel<kHeadDim, kDynamic, false, false>;
+  auto split_kernel = sit_out ? fp8_persistent_kernel<kHeadDim, false, true, true>
+                              : fp8_persistent_kernel<kHeadDim, false, true, false>;
   static const bool smem_configured = [&] {
-    for (auto f : {kernel, split_kernel})
+    for (auto f : {fp8_persistent_kernel<kHeadDim, kDynamic, false, true>,
+                   fp8_persistent_kernel<kHeadDim, kDynamic, false, false>,
+                   fp8_persistent_kernel<kHeadDim, false, true, true>,
+                   fp8_persistent_kernel<kHeadDim, false, true, false>})
       CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(Smem<kHeadDim>::kBytes)));
     return true;
