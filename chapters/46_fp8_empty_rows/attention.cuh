@@ -698,8 +698,8 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     // consumer 0's wait for the stage, and it waits on full[stage] itself too, so that the order
     // does not rest on the ring alone. The test is the same for the whole warpgroup, so the
     // branch is uniform, and the path for a consumer with rows is untouched. Compiled only where
-    // launched for a length that leaves consumers idle: a branch never taken still changed how
-    // ptxas scheduled the tile's start, and cost 2% where tiles are short (the README).
+    // launched for a length that leaves consumers idle: a branch never taken still changed the
+    // kernel's SASS, and the kernel ran 2% slower where tiles are short (the README).
     if (kSitOut && w.q_start + consumer * kConsumerRows >= shape.seqlen_q) {
       for (int kv_block = 0; kv_block < num_kv_blocks; ++kv_block) {
         const unsigned index = read + kv_block, stage = index % kStages;
