@@ -186,22 +186,34 @@ def attention_shape(record):
             int(record["head_dim"]), record["causal"] == "1")
 
 
-def chapter_tflops(record, bin_dir):
-    """TFLOP/s of the record's chapter on the record's problem, timed again now by its binary
-    (--no-check: the ladder's run and the tests check the same kernels)."""
-    command = [os.path.join(bin_dir, record["chapter"]), "--batch", record["batch"],
-               "--heads", record["heads_q"], "--heads-kv", record["heads_kv"],
-               "--seqlen-q", record["seqlen_q"], "--seqlen-k", record["seqlen_k"],
-               "--head-dim", record["head_dim"], "--no-check", "--csv"]
+def chapter_arguments(record):
+    """A chapter binary's options for the problem of a ladder record."""
+    arguments = ["--batch", record["batch"], "--heads", record["heads_q"], "--heads-kv",
+                 record["heads_kv"], "--seqlen-q", record["seqlen_q"], "--seqlen-k",
+                 record["seqlen_k"], "--head-dim", record["head_dim"]]
     if record["causal"] == "1":
-        command.append("--causal")
+        arguments.append("--causal")
     if record.get("deterministic") == "1":
-        command.append("--deterministic")
+        arguments.append("--deterministic")
+    return arguments
+
+
+def run_chapter(binary, arguments):
+    """The record (a dict of its CSV) that a chapter binary prints for these options, run with
+    --no-check --csv; exits with the command and its error if it fails. Also used by scripts/ab."""
+    command = [binary, *arguments, "--no-check", "--csv"]
     run = subprocess.run(command, capture_output=True, text=True)
     lines = run.stdout.strip().splitlines()
     if run.returncode != 0 or len(lines) < 2:
-        sys.exit(f"compare_sdpa.py: {' '.join(command)} failed: {run.stderr.strip()}")
-    return float(next(csv.DictReader(lines[-2:]))["tflops"])
+        sys.exit(f"{' '.join(command)} failed: {run.stderr.strip()}")
+    return next(csv.DictReader(lines[-2:]))
+
+
+def chapter_tflops(record, bin_dir):
+    """TFLOP/s of the record's chapter on the record's problem, timed again now by its binary
+    (--no-check: the ladder's run and the tests check the same kernels)."""
+    binary = os.path.join(bin_dir, record["chapter"])
+    return float(run_chapter(binary, chapter_arguments(record))["tflops"])
 
 
 def compare_attention(records, backward, rounds, bin_dir):
