@@ -115,6 +115,48 @@ def sdpa_tflops(shape, backward):
     return result
 
 
+def sdpa_problem(arguments):
+    """(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal) from a chapter binary's
+    options, which must name the batch, the heads, the lengths and the head dim (SDPA has no
+    defaults to share with the binaries); causal only with seqlen_q == seqlen_k, where SDPA's
+    top-left mask and the chapters' bottom-right one are the same."""
+    parser = argparse.ArgumentParser(prog="SDPA problem", add_help=False)
+    for option in ("--batch", "--heads", "--heads-kv", "--seqlen", "--seqlen-q", "--seqlen-k",
+                   "--head-dim"):
+        parser.add_argument(option, type=int)
+    parser.add_argument("--causal", action="store_true")
+    opts, _ = parser.parse_known_args(arguments)
+    seqlen_q = opts.seqlen_q or opts.seqlen
+    seqlen_k = opts.seqlen_k or opts.seqlen
+    if None in (opts.batch, opts.heads, seqlen_q, seqlen_k, opts.head_dim):
+        sys.exit("SDPA needs --batch, --heads, --seqlen (or -q and -k) and --head-dim")
+    if opts.causal and seqlen_q != seqlen_k:
+        sys.exit("SDPA's causal mask is top-left aligned: causal only with seqlen_q == seqlen_k")
+    return (opts.batch, opts.heads, opts.heads_kv or opts.heads, seqlen_q, seqlen_k,
+            opts.head_dim, opts.causal)
+
+
+def sdpa_run(backend, arguments, iters):
+    """The forward pass of one SDPA backend ("fa2" or "cudnn") on a chapter binary's problem,
+    timed as time_ms does over `iters` launches: {"tflops", "median_ms"}, the keys scripts/ab
+    reads from a binary's record. Random bf16 inputs; GQA through enable_gqa."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal = sdpa_problem(arguments)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, heads, seqlen_q, head_dim, device="cuda", dtype=torch.bfloat16,
+                    generator=gen)
+    k, v = (torch.randn(batch, heads_kv, seqlen_k, head_dim, device="cuda", dtype=torch.bfloat16,
+                        generator=gen) for _ in range(2))
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
+    with sdpa_kernel([sdpa_backend(backend)]):
+        ms = time_ms(lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=heads_kv != heads), iters=iters)
+    return {"tflops": flops / (ms * 1e-3) / 1e12, "median_ms": ms}
+
+
 def l2_flush():
     """What the chapters run before each timed decode launch (common/timing.cpp): overwrite a buffer
     of twice the L2 cache, so that the launch reads K and V from device memory."""
