@@ -1,13 +1,13 @@
 // Chapter 47: O stored 16 bytes at a time. Every chapter since 21 writes O straight from the
 // accumulator registers, where lane 4 g + t holds columns 8 j + 2 t and + 1 of its rows: a
-// 4-byte store per pair, 32 of them per lane and row half at head_dim 128, and each store of a
+// 4-byte store per pair, 16 of them per lane and row half at head_dim 128, and each store of a
 // warp touches 8 rows, 16 bytes in each. Timed inside chapter 44 with clock64 stamps, a
 // consumer's stores of a tile take 3,300 cycles at head_dim 128, about 4% of a tile at 4096 keys,
 // and its next tile waits for them (the README has the table). The idea in one
 // sentence: the four lanes of a quad first trade their pairs with two shuffles, so that each lane
 // holds 8 contiguous columns of its row and writes them with one 16-byte store.
 //
-//   before:  32 x st.global.b32 per lane and row half (head_dim 128), 8 rows x 16 bytes each
+//   before:  16 x st.global.b32 per lane and row half (head_dim 128), 8 rows x 16 bytes each
 //   now:     quad_transpose (4 shuffles per 4 chunks), 4 x st.global.v4 per lane and row half,
 //            8 rows x 64 bytes each
 //
