@@ -109,8 +109,8 @@ struct Block {
   // Keys per tile: 192 at head_dim 128, 128 otherwise (chapter 29's header says why).
   static constexpr int kBlockN = kHeadDim == 128 ? 192 : 128;
   // Whether a tile's last turn issues the next tile's S_0: at head_dim 128 only. At 64 it was
-  // 4-6% slower than chapter 48 at every length measured (the README), and its tiles keep chapter
-  // 48's edges, with Q in two buffers.
+  // 4-6% slower than chapter 48 at the four lengths measured without the mask (the README), and
+  // its tiles keep chapter 48's edges, with Q in two buffers.
   static constexpr bool kOverlap = kHeadDim == 128;
 };
 constexpr int kKeyGroup = 16;  // V^T's keys are permuted within groups of 16 (pack_p)
@@ -730,14 +730,18 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
   // have come, 128 of the consumer that waits and 128 of the one before it. In every tile consumer
   // 0 goes first. The last consumer gives consumer 0 its first signal after its own last turn of
   // the tile before, so that consumer 0 may start the next tile while the others finish this one;
-  // in the block's first tile with keys, before the tile's first turn. A signal after the block's
-  // last turn, which no turn takes, consumer 0 takes before it exits (chapter 35).
+  // in the block's first tile with keys, before the tile's first turn. A merged turn (below) is the
+  // last turn of one unit and the first of the next, so its signal is that first signal, and the
+  // next unit sends no other. A signal after the block's last turn, which no turn takes, consumer 0
+  // takes before it exits (chapter 35).
   const bool last = consumer == B::kConsumers - 1;
   const int own_barrier = 1 + consumer, other_barrier = 1 + (consumer + 1) % B::kConsumers;
   constexpr int kTurnThreads = 2 * 128;
   // Round r's unit: wait_unit waits until its Q has landed, read_unit then reads it from
-  // unit_slot[r % 2] (which stays until every consumer thread has retired the unit's last Q K^T)
-  // through shuffles, so that the compiler knows it is the same in the whole warp.
+  // unit_slot[r % 2] (which stays until every consumer thread has arrived on q_empty[r % 2])
+  // through shuffles, so that the compiler knows it is the same in the whole warp. A unit is read
+  // twice when merged: in the last turn of the unit before, to decide and issue its S_0, and at the
+  // top of its own round; so no consumer arrives on its q_empty before that second read.
   auto wait_unit = [&](unsigned r) { hopper::mbarrier_wait(&q_full[r % 2], r / 2 % 2); };
   auto read_unit = [&](unsigned r) {
     const PostedUnit& posted = unit_slot[r % 2];
@@ -866,8 +870,8 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
       pack_p<kBlockN>(s, p);
     }
     // Whether the next unit's Q was waited for in this one's last turn (not for a unit without
-    // keys), and merged: whether that turn issued its S_0.
-    bool taken = false, merged = false;
+    // keys, nor at head_dim 64), and merged: whether that turn issued its S_0.
+    bool next_waited = false, merged = false;
     // This unit's 1 / l with V's descale, and lse in log2 units, per row half: O = o_acc * inv_l
     // and lse = (m c + log2 l - 8) / log2 e (l and o_acc both carry P's 2^8). Taken from row_max
     // and row_sum when the unit's keys are done; in a merged turn before the next unit's softmax
@@ -882,7 +886,8 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
                               : -INFINITY;
       }
     };
-    // A last turn with P V alone, as every last turn of chapter 48.
+    // A last turn with P V alone, as in chapter 48 (where the merge is compiled, after the wait
+    // for the next unit, which decided against it).
     auto last_turn = [&](unsigned stage) {
       hopper::named_barrier_sync(own_barrier, kTurnThreads);
       issue_pv<kHeadDim>(o_acc, p, v_tile(stage));
@@ -930,18 +935,22 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
         if (__any_sync(kFullWarp, alpha[0] != 1.0f || alpha[1] != 1.0f)) rescale(o_acc, alpha);
         pack_p<kBlockN>(s, p);
       } else if (B::kOverlap) {
-        // The last turn. The next unit's Q has landed by now (the producer copied it once it was
-        // through this unit's copies, some key blocks ahead), and with it the unit, which every
-        // consumer reads alike: merged only where it has keys and neither unit has an idle
-        // consumer. What the next unit's softmax needs (its descales, row ends) is worked out
-        // after the issue, while S_0 runs.
+        // The last turn. The next unit's Q has usually landed by now (the producer copied it once
+        // it was through this unit's copies, some key blocks ahead; a unit of one or two blocks may
+        // wait here), and with it the unit, which every consumer reads alike: merged only where it
+        // has keys and neither unit has an idle consumer. What the next unit's softmax needs (its
+        // descales, row ends) is worked out after the issue, while S_0 runs.
         wait_unit(round + 1);
-        taken = true;
+        next_waited = true;
         const PostedUnit next = read_unit(round + 1);
         merged = next.tile < num_tiles && next.kv_end > next.kv_begin && !idle_consumer &&
                  !has_idle_consumer(next);
         if (merged) {
-          // The next unit's S_0 with this unit's last P V, as a turn of the loop issues them.
+          // The merged turn, in order: (1) the next unit's S_0 with this unit's last P V, issued as
+          // a turn of the loop issues them; (2) while S_0 runs, the next unit's descales and row
+          // ends, and this unit's rows finished (finish_rows) before its maximum and sum are reset;
+          // (3) S_0's softmax while P V runs; (4) P V waited for. After the loop: (5) P_0 packed,
+          // (6) this unit's O stored, and the next round starts at its second turn.
           const unsigned next_index = index + 1, next_stage = next_index % kStages;
           hopper::mbarrier_wait(&full[next_stage], next_index / kStages % 2);
           hopper::named_barrier_sync(own_barrier, kTurnThreads);
@@ -978,7 +987,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
       hopper::mbarrier_arrive(&empty[stage]);
     }
     read += num_kv_blocks;
-    if (!taken) wait_unit(round + 1);
+    if (!next_waited) wait_unit(round + 1);
     if (merged) {
       pack_p<kBlockN>(s, p);  // the next unit's P_0: this unit's last P V has retired
     } else {
@@ -1121,7 +1130,7 @@ inline int sm_count() {
 // The plan, and when to split (without the mask only). The tiles make tiles / sms whole rounds
 // and a last one of tiles % sms (all of them, if fewer than the SMs): the tail. Shared out by key
 // blocks, the tail ends after about tail / sms of a tile's time instead of a whole one, for the
-// price of each piece's fixed costs (its Q, its first S alone, its stores to the slot) and of the
+// price of each piece's fixed costs (its Q, its first S, its stores to the slot) and of the
 // merge. So it is split only when that round leaves at least a quarter of the SMs idle (tail <=
 // 3/4 of them) and every block's run is at least kMinRunBlocks key blocks, long beside those
 // costs; and when the run arithmetic fits in 32 bits.
