@@ -18,7 +18,7 @@
 // (with Q in two buffers); so do tiles next to one with a consumer that sits out (chapter 46), and
 // a unit before one that sees no key. The merged turn must not wait on anything but the ring:
 // its first form worked out the next tile's numbers (integer divisions, the descales' loads)
-// before the issue, and ran 6% slower than chapter 48 at 512 keys; the producer now posts the
+// before the issue, and ran 6-9% slower than chapter 48 at 512 keys; the producer now posts the
 // tile's numbers with the unit, and the descales are loaded after the issue.
 //
 // Chapter 48's own summary: O stored 16 bytes at a time. Chapter 47's change, the same lines, in
