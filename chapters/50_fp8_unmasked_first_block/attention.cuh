@@ -10,9 +10,10 @@
 // key blocks and less in them (docs/benchmarks.md, "FlashAttention-3 on the same GPU"); its loop
 // walks a tile's key blocks from the last, so that the masked ones come first and its first
 // block's softmax is the one that needs the mask. Taking chapter 49's blocks in that order, or
-// keeping the order and choosing the form for S_0, measured the same here (+1-3% at 512 and 1024
-// keys, under 1% from 2048): this chapter keeps the order, which also helps where no block needs
-// the mask (head_dim 64, lengths that are multiples of 128).
+// keeping the order and choosing the form for S_0, measured the same at head_dim 128 (about +1-3%
+// at 512 and 1024 keys, under 1% from 2048): this chapter keeps the order, which also helps where
+// no block needs the mask (head_dim 64 at lengths that are multiples of 128, where the reversed
+// order gained nothing).
 //
 // Chapter 49's own summary: the tiles overlapped, in FP8. Inside a tile every turn of a consumer
 // issues S_{j+1} = Q K_{j+1}^T beside P_j V_j, and takes S_{j+1}'s softmax while P_j V_j runs
