@@ -1,6 +1,6 @@
-// FlashAttention-3's FP8 (e4m3) forward kernel on one problem, timed the way the course's harness
-// times a chapter: CUDA events around each launch, warm-up launches first, the median of the
-// timed ones (common/timing.cpp). An optional peer for the FP8 chapters, built by scripts/fa3-fp8
+// FlashAttention-3's FP8 (e4m3) forward kernel on one problem, timed by the course's own timing
+// (common/timing.cpp's time_launches: CUDA events around each launch, warm-up launches first, the
+// median of the timed ones). An optional peer for the FP8 chapters, built by scripts/fa3-fp8
 // from a FlashAttention checkout (its hopper/ sources and the CUTLASS they name); nothing in the
 // course's build or tests needs it.
 //
@@ -14,11 +14,12 @@
 // deviations) scaled to a standard deviation of 90, with descales of 1/90 per (batch, head): unit
 // inputs spread over e4m3's range, about as the course stores its N(0, 1) inputs (its scales map
 // a tensor's largest |x| to 448). O is bf16, as in the course. The causal kernel's tile counter is
-// zeroed before each launch, outside the timed events. Unless --no-check, four rows of (batch 0,
-// head 0) are compared with a double-precision softmax(Q K^T / sqrt(d)) V of the same e4m3 inputs:
-// above 0.02 (1 + max |O|) the run fails (exit 1). A check that the kernel ran on these inputs,
-// not the course's test. The CSV has this program's own columns (tflops and median_ms as the
-// chapters'), which scripts/ab reads; scripts/tables.py and compare_sdpa.py do not.
+// zeroed before each launch, inside the timed window, as a chapter's launch zeroes its own. Unless
+// --no-check, four rows of (batch 0, head 0) are compared with a double-precision softmax(Q K^T /
+// sqrt(d)) V of the same e4m3 inputs: above 0.02 (1 + max |O|) the run fails (exit 1). A check that
+// the kernel ran on these inputs, not the course's test. The CSV has this program's own columns
+// (tflops and median_ms as the chapters'), which scripts/ab reads; scripts/tables.py and
+// compare_sdpa.py do not.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -30,8 +31,10 @@
 #include <string>
 #include <vector>
 
+#include "../common/cuda_check.h"  // (FA3 has a cuda_check.h of its own)
 #include "cutlass/numeric_types.h"
 #include "flash.h"
+#include "../common/timing.h"
 
 // Defined in FA3's instantiation files (hopper/instantiations/flash_fwd_hdim*_e4m3_sm90.cu).
 template <int Arch, typename T, int kHeadDim, int kHeadDimV, bool Split, bool PagedKVNonTMA,
@@ -39,16 +42,6 @@ template <int Arch, typename T, int kHeadDim, int kHeadDimV, bool Split, bool Pa
 void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream);
 
 namespace {
-
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    const cudaError_t error = (call);                                                    \
-    if (error != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "fa3_fp8: %s (%s:%d)\n", cudaGetErrorString(error), __FILE__, \
-                   __LINE__);                                                            \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 constexpr float kSigma = 90.0f;  // the stored values' standard deviation; descales are 1 / kSigma
 
@@ -150,9 +143,9 @@ void check_rows(const Options& o, const __nv_fp8_e4m3* q, const __nv_fp8_e4m3* k
   const int s = o.seqlen, h = o.heads, d = o.head_dim;
   const size_t n = size_t(s) * h * d;  // batch 0
   std::vector<__nv_fp8_e4m3> hq(n), hk(n), hv(n);
-  CHECK(cudaMemcpy(hq.data(), q, n, cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(hk.data(), k, n, cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(hv.data(), v, n, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(hq.data(), q, n, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(hk.data(), k, n, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(hv.data(), v, n, cudaMemcpyDeviceToHost));
   auto at = [&](const std::vector<__nv_fp8_e4m3>& x, int row, int c) {
     return double(float(x[size_t(row) * h * d + c])) / kSigma;
   };
@@ -169,8 +162,8 @@ void check_rows(const Options& o, const __nv_fp8_e4m3* q, const __nv_fp8_e4m3* k
       m = std::max(m, w[j]);
     }
     for (int j = 0; j < keys; ++j) l += (w[j] = std::exp(w[j] - m));
-    CHECK(cudaMemcpy(o_row.data(), out + size_t(r) * h * d, d * sizeof(__nv_bfloat16),
-                     cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(o_row.data(), out + size_t(r) * h * d, d * sizeof(__nv_bfloat16),
+                          cudaMemcpyDeviceToHost));
     for (int c = 0; c < d; ++c) {
       double ref = 0;
       for (int j = 0; j < keys; ++j) ref += w[j] * at(hv, j, c);
@@ -183,7 +176,7 @@ void check_rows(const Options& o, const __nv_fp8_e4m3* q, const __nv_fp8_e4m3* k
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const int b = o.batch, h = o.heads, s = o.seqlen, d = o.head_dim;
   const size_t n = size_t(b) * s * h * d;
@@ -191,19 +184,19 @@ int main(int argc, char** argv) {
   __nv_bfloat16* out;
   float *lse, *descale;
   int* semaphore;
-  CHECK(cudaMalloc(&q, n));
-  CHECK(cudaMalloc(&k, n));
-  CHECK(cudaMalloc(&v, n));
-  CHECK(cudaMalloc(&out, n * sizeof(__nv_bfloat16)));
-  CHECK(cudaMalloc(&lse, size_t(b) * h * s * sizeof(float)));
-  CHECK(cudaMalloc(&descale, size_t(b) * h * sizeof(float)));
-  CHECK(cudaMalloc(&semaphore, sizeof(int)));
+  CUDA_CHECK(cudaMalloc(&q, n));
+  CUDA_CHECK(cudaMalloc(&k, n));
+  CUDA_CHECK(cudaMalloc(&v, n));
+  CUDA_CHECK(cudaMalloc(&out, n * sizeof(__nv_bfloat16)));
+  CUDA_CHECK(cudaMalloc(&lse, size_t(b) * h * s * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&descale, size_t(b) * h * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&semaphore, sizeof(int)));
   fill_e4m3<<<1024, 256>>>(q, n, 1);
   fill_e4m3<<<1024, 256>>>(k, n, 2);
   fill_e4m3<<<1024, 256>>>(v, n, 3);
   const std::vector<float> descales(size_t(b) * h, 1.0f / kSigma);
-  CHECK(cudaMemcpy(descale, descales.data(), descales.size() * sizeof(float),
-                   cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(descale, descales.data(), descales.size() * sizeof(float),
+                        cudaMemcpyHostToDevice));
 
   // What FA3's Python entry point (hopper/flash_api.cpp, mha_fwd) sets for this problem: strides
   // in elements, no varlen, no split, no paging; causal as a window of (all, 0); the tile counter
@@ -230,8 +223,8 @@ int main(int argc, char** argv) {
   p.tile_count_semaphore = o.causal ? semaphore : nullptr;
   int device = 0;
   cudaDeviceProp prop;
-  CHECK(cudaGetDevice(&device));
-  CHECK(cudaGetDeviceProperties(&prop, device));
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   p.arch = prop.major * 10 + prop.minor, p.num_sm = prop.multiProcessorCount;
   if (p.arch != 90) {
     std::fprintf(stderr, "fa3_fp8: FA3's kernels are built for sm_90a; this GPU is sm_%d\n",
@@ -239,39 +232,20 @@ int main(int argc, char** argv) {
     return 3;
   }
 
-  cudaStream_t stream;
-  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto launch = [&] {
-    if (o.causal) CHECK(cudaMemsetAsync(semaphore, 0, sizeof(int), stream));
-    run(p, d, stream);
-  };
-  for (int i = 0; i < o.warmup; ++i) launch();
-  CHECK(cudaStreamSynchronize(stream));
-  CHECK(cudaGetLastError());
-  std::vector<cudaEvent_t> starts(o.iters), stops(o.iters);
-  for (int i = 0; i < o.iters; ++i) {
-    CHECK(cudaEventCreate(&starts[i]));
-    CHECK(cudaEventCreate(&stops[i]));
-  }
-  for (int i = 0; i < o.iters; ++i) {
-    if (o.causal) CHECK(cudaMemsetAsync(semaphore, 0, sizeof(int), stream));
-    CHECK(cudaEventRecord(starts[i], stream));
-    run(p, d, stream);
-    CHECK(cudaEventRecord(stops[i], stream));
-  }
-  CHECK(cudaStreamSynchronize(stream));
-  CHECK(cudaGetLastError());
-  std::vector<double> ms(o.iters);
-  for (int i = 0; i < o.iters; ++i) {
-    float elapsed = 0;
-    CHECK(cudaEventElapsedTime(&elapsed, starts[i], stops[i]));
-    ms[i] = elapsed;
-    CHECK(cudaEventDestroy(starts[i]));
-    CHECK(cudaEventDestroy(stops[i]));
-  }
-  std::sort(ms.begin(), ms.end());
-  const int mid = o.iters / 2;
-  const double median = o.iters % 2 ? ms[mid] : 0.5 * (ms[mid - 1] + ms[mid]);
+  // common/timing.cpp's time_launches, as for the chapters: warm-up launches, then each timed
+  // launch between its own pair of events, the median. The causal kernel's tile counter is zeroed
+  // inside the timed window, as a chapter's launch zeroes its own.
+  attn::TimingOptions timing;
+  timing.warmup = o.warmup;
+  timing.iters = o.iters;
+  const attn::Timing t = attn::time_launches(
+      [&](cudaStream_t stream) {
+        if (o.causal) CUDA_CHECK(cudaMemsetAsync(semaphore, 0, sizeof(int), stream));
+        run(p, d, stream);
+      },
+      timing);
+  CUDA_CHECK(cudaGetLastError());
+  const double median = t.median_ms;
   const double flops = 4.0 * b * h * double(s) * s * d / (o.causal ? 2 : 1);
   const double tflops = flops / (median * 1e-3) / 1e12;
   double max_err = NAN, max_ref = NAN;
@@ -284,13 +258,13 @@ int main(int argc, char** argv) {
         "chapter,head_dim,batch,heads,seqlen,causal,median_ms,min_ms,tflops,check_max_err,"
         "check_max_ref\n");
     std::printf("fa3_fp8,%d,%d,%d,%d,%d,%.5f,%.5f,%.3f,%.3g,%.3g\n", d, b, h, s, int(o.causal),
-                median, ms.front(), tflops, max_err, max_ref);
+                median, t.min_ms, tflops, max_err, max_ref);
   } else {
     std::printf("FlashAttention-3 FP8 forward, %s\n", prop.name);
     std::printf("shape   batch %d, heads %d, seqlen %d, head_dim %d, causal %s, e4m3 (O bf16)\n", b,
                 h, s, d, o.causal ? "yes" : "no");
     std::printf("time    %.4f ms median of %d launches (min %.4f) = %.2f TFLOP/s\n", median,
-                o.iters, ms.front(), tflops);
+                o.iters, t.min_ms, tflops);
     if (o.check)
       std::printf(
           "check   4 rows of (batch 0, head 0): max |O - reference| %.3g (max |O| %.3g), %s\n",
@@ -299,4 +273,13 @@ int main(int argc, char** argv) {
   if (!passed)
     std::fprintf(stderr, "fa3_fp8: the check failed (max |O - reference| %.3g)\n", max_err);
   return passed ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const std::exception& e) {  // a CUDA error (common/cuda_check.h)
+    std::fprintf(stderr, "fa3_fp8: %s\n", e.what());
+    return 1;
+  }
 }
