@@ -1285,8 +1285,8 @@ inline void launch(const attn::ForwardParams& params, cudaStream_t stream) {
 
 inline attn::ForwardChapter chapter() {
   attn::ForwardChapter c{"50_fp8_unmasked_first_block",
-                         "chapter 48 with the tiles overlapped: a tile's last turn issues the "
-                         "next tile's S_0 beside its last P V, Q in two buffers",
+                         "chapter 49 with a tile's first key block taking the softmax without "
+                         "the mask where it needs none, as the key loop's other blocks do",
                          attn::DType::kE4M3,
                          {64, 128},
                          90,
