@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "../common/cuda_check.h"  // (FA3 has a cuda_check.h of its own)
+#include "../common/device_buffer.h"
 #include "cutlass/numeric_types.h"
 #include "flash.h"
 #include "../common/timing.h"
@@ -180,17 +181,14 @@ int run_main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const int b = o.batch, h = o.heads, s = o.seqlen, d = o.head_dim;
   const size_t n = size_t(b) * s * h * d;
-  __nv_fp8_e4m3 *q, *k, *v;
-  __nv_bfloat16* out;
-  float *lse, *descale;
-  int* semaphore;
-  CUDA_CHECK(cudaMalloc(&q, n));
-  CUDA_CHECK(cudaMalloc(&k, n));
-  CUDA_CHECK(cudaMalloc(&v, n));
-  CUDA_CHECK(cudaMalloc(&out, n * sizeof(__nv_bfloat16)));
-  CUDA_CHECK(cudaMalloc(&lse, size_t(b) * h * s * sizeof(float)));
-  CUDA_CHECK(cudaMalloc(&descale, size_t(b) * h * sizeof(float)));
-  CUDA_CHECK(cudaMalloc(&semaphore, sizeof(int)));
+  const attn::DeviceBuffer<__nv_fp8_e4m3> q_buffer(n), k_buffer(n), v_buffer(n);
+  const attn::DeviceBuffer<__nv_bfloat16> out_buffer(n);
+  const attn::DeviceBuffer<float> lse_buffer(size_t(b) * h * s), descale_buffer(size_t(b) * h);
+  const attn::DeviceBuffer<int> semaphore_buffer(1);
+  __nv_fp8_e4m3 *q = q_buffer.get(), *k = k_buffer.get(), *v = v_buffer.get();
+  __nv_bfloat16* out = out_buffer.get();
+  float *lse = lse_buffer.get(), *descale = descale_buffer.get();
+  int* semaphore = semaphore_buffer.get();
   fill_e4m3<<<1024, 256>>>(q, n, 1);
   fill_e4m3<<<1024, 256>>>(k, n, 2);
   fill_e4m3<<<1024, 256>>>(v, n, 3);
