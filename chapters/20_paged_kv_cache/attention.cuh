@@ -600,10 +600,15 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs args
 // kMaxSplits. Each block pays once for its start (Q and the first tiles, with nothing to overlap
 // them in the block) and its merge, and each split adds a partial result for the combine to read:
 // on the H100 512 keys per split measured 2-9% slower than 2048 where it made more splits
-// (README, "How many splits").
+// (chapter 19's README, "How many splits"). One change here: where that rule leaves more than half
+// of the SMs without a block, splits may be as short as kMinSplitKeysFewBlocks. A paged block
+// waits longer for each tile (the block table, then rows in 256-byte pieces), and with few blocks
+// no other block hides it; twice the blocks keep twice the bytes in flight (README, "Splits for a
+// small grid").
 constexpr int kBlocksPerSm = 2;
 constexpr int kWaves = 4;
 constexpr int kMinSplitKeys = 2048;
+constexpr int kMinSplitKeysFewBlocks = 1024;
 
 inline int sm_count() {
   static const int count = [] {
@@ -632,8 +637,12 @@ inline Plan plan(const DecodeShape& shape) {
   const int64_t blocks = int64_t(shape.batch) * shape.heads_kv * p.row_blocks;
   const int64_t wanted = (int64_t(kWaves) * kBlocksPerSm * sm_count() + blocks - 1) / blocks;
   const int longest = shape.longest_seqlen_k();
-  const int by_length = std::max(1, (longest + kMinSplitKeys - 1) / kMinSplitKeys);
-  p.num_splits = int(std::max<int64_t>(1, std::min<int64_t>({wanted, by_length, kMaxSplits})));
+  const auto splits_of = [&](int min_keys) {
+    const int by_length = std::max(1, (longest + min_keys - 1) / min_keys);
+    return int(std::max<int64_t>(1, std::min<int64_t>({wanted, by_length, kMaxSplits})));
+  };
+  p.num_splits = splits_of(kMinSplitKeys);
+  if (blocks * p.num_splits <= sm_count() / 2) p.num_splits = splits_of(kMinSplitKeysFewBlocks);
   // Split boundaries on tile boundaries; then drop the splits that rounding left empty.
   const int tiles = std::max(1, (longest + kBlockN - 1) / kBlockN);
   p.split_keys = (tiles + p.num_splits - 1) / p.num_splits * kBlockN;
