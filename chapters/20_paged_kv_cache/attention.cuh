@@ -20,7 +20,8 @@
 //
 // Everything below the cache's addressing is chapter 19's: the splits and their merge, the query
 // rows of a group and its new tokens packed into one tile, the warps splitting the keys, the
-// combine kernel and its early launch.
+// combine kernel and its early launch. One consequence of the pages is in plan(): a grid that
+// would leave more than half of the SMs without a block splits its caches further.
 #pragma once
 
 #include <algorithm>
