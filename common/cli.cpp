@@ -104,6 +104,8 @@ CliOptions parse_cli(const std::vector<std::string>& args, ChapterKind kind) {
     else if (kind == ChapterKind::kForward && option == "--outliers")
       cli.run.outliers = parse_float(option, next());
     else if (kind == ChapterKind::kForward && option == "--hadamard") cli.run.hadamard = true;
+    else if (kind == ChapterKind::kForward && option == "--qk-offset")
+      cli.run.qk_offset = parse_float(option, next());
     else if (kind == ChapterKind::kForward && option == "--fp8-scale")
       cli.run.fp8_scaling = parse_fp8_scaling(next());
     else if (kind == ChapterKind::kForward && option == "--check-unrounded")
@@ -209,7 +211,9 @@ std::string usage_text(const UsageOf& chapter) {
   if (!backward && !decode) {
     s << "  --outliers F     channels 7 and head_dim/2 + 7 of Q and K, in every fourth key/value\n"
       << "                   head, F times larger (default 1: none)\n"
-      << "  --hadamard       rotate the rows of Q and K by a Hadamard matrix (Q K^T unchanged)\n";
+      << "  --hadamard       rotate the rows of Q and K by a Hadamard matrix (Q K^T unchanged)\n"
+      << "  --qk-offset F    Q drawn around +F and K around -F: at 1 every score is below zero\n"
+      << "                   (default 0)\n";
     if (chapter.dtype == DType::kE4M3)
       s << "  --fp8-scale S    tensor or head: one scale per tensor, or per (batch, key/value "
            "head)\n"

@@ -24,6 +24,7 @@ size_t piece_elements(size_t head_dim) {
 std::string validate_inputs(const AttentionShape& shape, const InputOptions& options) {
   if (!(options.outliers > 0.0f) || !std::isfinite(options.outliers))
     return "--outliers must be a positive number.";
+  if (!std::isfinite(options.qk_offset)) return "--qk-offset must be a finite number.";
   if (options.hadamard && !power_of_two(shape.head_dim))
     return "--hadamard needs a head_dim that is a power of two.";
   return "";
@@ -88,6 +89,10 @@ void ForwardInputs::make_unrounded(ForwardTensor t, float* out, size_t count, si
   fill_normal(out, count, options_.seed, stream_of(t), stddev, first);
   if (t == ForwardTensor::kV) return;
   const int d = shape_.head_dim;
+  if (options_.qk_offset != 0.0f) {
+    const float offset = t == ForwardTensor::kQ ? options_.qk_offset : -options_.qk_offset;
+    for (size_t i = 0; i < count; ++i) out[i] += offset;
+  }
   if (options_.outliers != 1.0f) {
     const int channels[2] = {7, d / 2 + 7};
     for (size_t row = 0; row < count; row += d) {

@@ -1,8 +1,9 @@
 // The forward runner's inputs. Q ~ Normal(0, q_scale), K and V ~ Normal(0, 1), each drawn from
-// its own stream of the seed (host_data.h), optionally with outlier channels and a Hadamard
-// rotation of Q and K, then rounded to what the chapter reads: bf16, or FP8 e4m3 with a scale per
-// tensor or per (batch, key/value head). The check makes any piece again, rounded as uploaded or
-// not rounded at all (the reference of what a user of the unrounded inputs would expect).
+// its own stream of the seed (host_data.h), optionally with an offset, outlier channels and a
+// Hadamard rotation of Q and K, then rounded to what the chapter reads: bf16, or FP8 e4m3 with a
+// scale per tensor or per (batch, key/value head). The check makes any piece again, rounded as
+// uploaded or not rounded at all (the reference of what a user of the unrounded inputs would
+// expect).
 #pragma once
 
 #include <cstddef>
@@ -28,11 +29,15 @@ struct InputOptions {
   // power of two): H H^T / head_dim = I, so Q K^T is unchanged, while an outlier channel is spread
   // over all of them (QuaRot's and FlashAttention-3's "incoherent processing").
   bool hadamard = false;
+  // Q's elements drawn around +qk_offset and K's around -qk_offset (before the outliers and the
+  // rotation): every score q . k then lies near -qk_offset^2 head_dim, a few sqrt(head_dim) either
+  // side, so at 1 every score of every row is below zero, a row whose maximum is negative. 0: none.
+  float qk_offset = 0.0f;
   Fp8Scaling fp8_scaling = Fp8Scaling::kPerHead;
 };
 
 // One sentence if the options do not fit the shape (the rotation needs a power-of-two head_dim,
-// the outlier factor must be positive and finite), else "".
+// the outlier factor must be positive and finite, the offset finite), else "".
 std::string validate_inputs(const AttentionShape& shape, const InputOptions& options);
 
 // Rotates each row of `rows` (count / n rows of n values, n a power of two) by H / sqrt(n), H the

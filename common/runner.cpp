@@ -205,6 +205,7 @@ InputOptions forward_input_options(const RunOptions& options) {
   o.q_scale = options.q_scale;
   o.outliers = options.outliers;
   o.hadamard = options.hadamard;
+  o.qk_offset = options.qk_offset;
   o.fp8_scaling = options.fp8_scaling;
   return o;
 }
@@ -216,6 +217,12 @@ std::string describe_inputs(const InputOptions& o, bool fp8) {
   if (o.outliers != 1.0f) {
     std::ostringstream s;
     s << "outlier channels x" << o.outliers << " in every fourth key/value head";
+    parts.push_back(s.str());
+  }
+  if (o.qk_offset != 0.0f) {
+    std::ostringstream s;
+    s << "Q and K drawn around +" << o.qk_offset << " and -" << o.qk_offset
+      << " (scores below zero)";
     parts.push_back(s.str());
   }
   if (o.hadamard) parts.push_back("Q and K rotated by a Hadamard matrix");

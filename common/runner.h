@@ -25,6 +25,7 @@ struct RunOptions {
   // unrounded inputs (always made for FP8 chapters).
   float outliers = 1.0f;
   bool hadamard = false;
+  float qk_offset = 0.0f;  // forward: Q drawn around +qk_offset and K around -qk_offset
   Fp8Scaling fp8_scaling = Fp8Scaling::kPerHead;
   bool check_unrounded = false;
   bool check = true;

@@ -1,6 +1,6 @@
 // The forward runner's inputs for the FP8 chapter (forward_inputs.h): the Hadamard rotation, the
-// outlier channels, FP8 scales per tensor and per (batch, key/value head), and the plain-FP8
-// reference and tolerance the FP8 chapter is checked by. Label `cpu`.
+// outlier channels, the offset of Q and K, FP8 scales per tensor and per (batch, key/value head),
+// and the plain-FP8 reference and tolerance the FP8 chapter is checked by. Label `cpu`.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -54,6 +54,34 @@ TEST_CASE("the Hadamard rotation is orthonormal: it keeps dot products and undoe
   one_hot[7] = 8.0f;
   hadamard_rotate_rows(one_hot.data(), one_hot.size(), 64);
   for (float x : one_hot) CHECK(std::fabs(x) == doctest::Approx(1.0f));
+}
+
+TEST_CASE("an offset of Q and K (--qk-offset 1) puts every score below zero, and only it") {
+  // Rows whose largest score is negative, which a kernel's float-free shortcut for the row
+  // maximum must still get right (chapter 51): Q around +1, K around -1, V as drawn.
+  const AttentionShape shape = make_shape(1, 4, 2, 96, 200, 128);
+  InputOptions plain, offset;
+  offset.qk_offset = 1.0f;
+  const ForwardInputs a(shape, plain, DType::kF32), b(shape, offset, DType::kF32);
+  CHECK(made(a, ForwardTensor::kV, false, false) == made(b, ForwardTensor::kV, false, false));
+  auto largest_score = [&](const ForwardInputs& inputs) {
+    const std::vector<float> q = made(inputs, ForwardTensor::kQ, false, false),
+                             k = made(inputs, ForwardTensor::kK, false, false);
+    double largest = -INFINITY;
+    for (int h = 0; h < shape.heads_q; ++h)
+      for (int i = 0; i < shape.seqlen_q; ++i)
+        for (int j = 0; j < shape.seqlen_k; ++j) {
+          const float* q_row = q.data() + (size_t(h) * shape.seqlen_q + i) * 128;
+          const float* k_row = k.data() + (size_t(h / 2) * shape.seqlen_k + j) * 128;
+          largest = std::max(largest, dot(q_row, k_row, 128));
+        }
+    return largest;
+  };
+  CHECK(largest_score(a) > 0.0);
+  CHECK(largest_score(b) < 0.0);
+  CHECK(validate_inputs(shape, offset).empty());
+  offset.qk_offset = INFINITY;
+  CHECK_FALSE(validate_inputs(shape, offset).empty());
 }
 
 TEST_CASE("outlier channels: channels 7 and d/2 + 7 of Q and K in every fourth key/value head") {
