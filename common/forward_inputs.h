@@ -30,8 +30,9 @@ struct InputOptions {
   // over all of them (QuaRot's and FlashAttention-3's "incoherent processing").
   bool hadamard = false;
   // Q's elements drawn around +qk_offset and K's around -qk_offset (before the outliers and the
-  // rotation): every score q . k then lies near -qk_offset^2 head_dim, a few sqrt(head_dim) either
-  // side, so at 1 every score of every row is below zero, a row whose maximum is negative. 0: none.
+  // rotation): a score q . k then lies near -qk_offset^2 head_dim, with a spread of about
+  // sqrt(2 head_dim) at 1. At 1 and head_dim 128 practically every score is below zero (at 64 a few
+  // in a million are not): rows whose maximum is negative. 0: none.
   float qk_offset = 0.0f;
   Fp8Scaling fp8_scaling = Fp8Scaling::kPerHead;
 };

@@ -221,7 +221,7 @@ std::string describe_inputs(const InputOptions& o, bool fp8) {
   }
   if (o.qk_offset != 0.0f) {
     std::ostringstream s;
-    s << "Q and K drawn around +" << o.qk_offset << " and -" << o.qk_offset
+    s << "Q and K drawn around " << o.qk_offset << " and " << -o.qk_offset
       << " (scores below zero)";
     parts.push_back(s.str());
   }

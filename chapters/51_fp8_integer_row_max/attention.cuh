@@ -1,16 +1,17 @@
 // Chapter 51: the row maximum two scores an instruction. A key block's softmax starts with each
-// row's largest score, and at head_dim 128 a consumer thread holds 96 scores (48 of each of its
-// two rows): 96 FMNMX, on the ALU pipe at half the rate of an FFMA (2 cycles a warp instruction
-// on a sub-partition), before the first exponential. The ALU also has a three-input integer max,
-// VIMNMX3 (CUDA's __vimax3_s32, one of Hopper's DPX instructions), at the same rate: two new
-// scores an instruction, if scores can be compared as integers. Read as signed 32-bit integers,
-// the non-negative floats keep their order, and every negative float lies below every one of
-// them (its sign bit makes it negative). So the integer maximum of a thread's scores is their
-// float maximum whenever that maximum is >= 0. The unmasked softmax takes the maximum that way,
-// 48 VIMNMX3 where there were 96 FMNMX, and where any thread of the warp finds its largest score
-// below zero (a row whose scores are all negative; the tests make them with --qk-offset 1) the
-// warp takes the float maximum as before: a vote, so the branch is uniform. Either way the
-// maximum is the same float, and so are the outputs. The masked blocks keep the float maximum.
+// row's largest score, and at head_dim 128 a consumer thread holds 96 scores (48 of each of its two
+// rows): 96 FMNMX, at half the FP32 rate (2 cycles a warp instruction on a sub-partition), before
+// the first exponential. The ALU pipe also has a three-input integer max, VIMNMX3 (CUDA's
+// __vimax3_s32, one of Hopper's DPX instructions), at the same rate: two new scores an instruction,
+// if scores can be compared as integers. Read as signed 32-bit integers, the floats whose sign bit
+// is clear (+0.0 and up) keep their order, and every float with the sign bit set is a negative
+// integer, below all of them. So the integer maximum of a thread's scores is their float maximum
+// whenever that maximum has its sign bit clear. The unmasked softmax takes the maximum that way, 48
+// VIMNMX3 where there were 96 FMNMX, and where any thread of the warp finds all of its scores of a
+// row in the block below zero (48 of the block's 192 at head_dim 128; the tests make such scores
+// with --qk-offset 1) the warp takes the float maximum as before: a vote, so the branch is uniform.
+// For finite scores the maximum is the same float either way, and so are the outputs. The masked
+// blocks keep the float maximum.
 //
 // Chapter 50's own summary: a tile's first key block without the mask where it needs none. A key
 // block that reaches past the end of the keys, or past the first row's diagonal, takes the softmax
