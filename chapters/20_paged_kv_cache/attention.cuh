@@ -21,7 +21,7 @@
 // Everything below the cache's addressing is chapter 19's: the splits and their merge, the query
 // rows of a group and its new tokens packed into one tile, the warps splitting the keys, the
 // combine kernel and its early launch. One consequence of the pages is in plan(): a grid that
-// would leave more than half of the SMs without a block splits its caches further.
+// would leave at least half of the SMs without a block splits its caches further.
 #pragma once
 
 #include <algorithm>
@@ -601,11 +601,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeArgs args
 // kMaxSplits. Each block pays once for its start (Q and the first tiles, with nothing to overlap
 // them in the block) and its merge, and each split adds a partial result for the combine to read:
 // on the H100 512 keys per split measured 2-9% slower than 2048 where it made more splits
-// (chapter 19's README, "How many splits"). One change here: where that rule leaves more than half
-// of the SMs without a block, splits may be as short as kMinSplitKeysFewBlocks. A paged block
-// waits longer for each tile (the block table, then rows in 256-byte pieces), and with few blocks
-// no other block hides it; twice the blocks keep twice the bytes in flight (README, "Splits for a
-// small grid").
+// (chapter 19's README, "How many splits"). One change here: where that rule leaves at least half
+// of the SMs without a block, it allows one split per kMinSplitKeysFewBlocks keys. A paged block
+// most likely waits longer for each tile (the block table, then rows in 256-byte pieces), and with
+// few blocks no other block hides it; twice the blocks keep twice the bytes in flight (README,
+// "Splits for a small grid").
 constexpr int kBlocksPerSm = 2;
 constexpr int kWaves = 4;
 constexpr int kMinSplitKeys = 2048;
