@@ -212,9 +212,8 @@ std::string usage_text(const UsageOf& chapter) {
     s << "  --outliers F     channels 7 and head_dim/2 + 7 of Q and K, in every fourth key/value\n"
       << "                   head, F times larger (default 1: none)\n"
       << "  --hadamard       rotate the rows of Q and K by a Hadamard matrix (Q K^T unchanged)\n"
-      << "  --qk-offset F    Q drawn around +F and K around -F: at 1 nearly every score is below\n"
-      << "                   zero\n"
-      << "                   (default 0)\n";
+      << "  --qk-offset F    Q drawn around +F, K around -F: at 1 nearly every score is below\n"
+      << "                   zero (default 0: none)\n";
     if (chapter.dtype == DType::kE4M3)
       s << "  --fp8-scale S    tensor or head: one scale per tensor, or per (batch, key/value "
            "head)\n"

@@ -221,8 +221,7 @@ std::string describe_inputs(const InputOptions& o, bool fp8) {
   }
   if (o.qk_offset != 0.0f) {
     std::ostringstream s;
-    s << "Q and K drawn around " << o.qk_offset << " and " << -o.qk_offset
-      << " (scores below zero)";
+    s << "Q and K drawn around " << o.qk_offset << " and " << -o.qk_offset;
     parts.push_back(s.str());
   }
   if (o.hadamard) parts.push_back("Q and K rotated by a Hadamard matrix");

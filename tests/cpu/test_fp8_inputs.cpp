@@ -67,13 +67,14 @@ TEST_CASE("an offset of Q and K (--qk-offset 1) puts every score below zero, and
   auto largest_score = [&](const ForwardInputs& inputs) {
     const std::vector<float> q = made(inputs, ForwardTensor::kQ, false, false),
                              k = made(inputs, ForwardTensor::kK, false, false);
+    const int d = shape.head_dim;
     double largest = -INFINITY;
-    for (int h = 0; h < shape.heads_q; ++h)
+    for (int h = 0; h < shape.heads_q; ++h)  // batch 1: query head h reads kv head h / group
       for (int i = 0; i < shape.seqlen_q; ++i)
         for (int j = 0; j < shape.seqlen_k; ++j) {
-          const float* q_row = q.data() + (size_t(h) * shape.seqlen_q + i) * 128;
-          const float* k_row = k.data() + (size_t(h / 2) * shape.seqlen_k + j) * 128;
-          largest = std::max(largest, dot(q_row, k_row, 128));
+          const float* q_row = q.data() + (size_t(h) * shape.seqlen_q + i) * d;
+          const float* k_row = k.data() + (size_t(h / shape.group_size()) * shape.seqlen_k + j) * d;
+          largest = std::max(largest, dot(q_row, k_row, d));
         }
     return largest;
   };
