@@ -2,13 +2,13 @@
 // and its V^T together, with one barrier that says both are there (K's copy and the producer's
 // transpose of V) and one that says both were read. But they are read at different times: K by
 // S_j = Q K_j^T, which retires early (its softmax waits for it), V^T by P_j V_j a turn later. So a
-// K slot stayed taken a turn after its last read, and a consumer's S_j waited for V_j's transpose,
-// which it does not read. Here K and V^T keep their stages (the same count, the same shared
-// memory) but each has its own pair of barriers: k_full (K's copy) and k_empty (every consumer
-// thread retired the S that read it), v_full (the transpose) and v_empty (the P V retired). A turn
-// waits for K_{j+1} and V_j, each on its own barrier; a consumer frees K_{j+1} as soon as S_{j+1}
-// has retired, before the softmax; and the producer copies a K as soon as its slot is free, before
-// it waits for the V^T slot that its transpose will write.
+// K slot stayed taken about a turn and a half after its last read, and a consumer's S_j waited for
+// V_j's transpose, which it does not read. Here K and V^T keep their stages (the same count, the
+// same shared memory) but each has its own pair of barriers: k_full (K's copy) and k_empty (every
+// consumer thread retired the S that read it), v_full (the transpose) and v_empty (the P V
+// retired). A turn waits for K_{j+1} and V_j, each on its own barrier; a consumer frees K_{j+1} as
+// soon as S_{j+1} has retired, before the softmax; and the producer copies a K as soon as its slot
+// is free, before it waits for the V^T slot that its transpose will write.
 //
 // Chapter 51's own summary: the row maximum two scores an instruction. A key block's softmax starts
 // with each row's largest score, and at head_dim 128 a consumer thread holds 96 scores (48 of each
@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
         }
         hopper::named_barrier_sync(kProducerBarrier, 128);
         // Both phases are complete now; each thread's own wait (at once) orders its accesses
-        // after the consumers' reads of the stage and TMA's writes of the raw V.
+        // after the consumers' reads of the stage's V^T and TMA's writes of the raw V.
         if (use > 0) hopper::mbarrier_wait(&v_empty[stage], (use - 1) % 2);
         hopper::mbarrier_wait(&raw_full[buffer], raw_phase);
         // The next raw V goes to the other buffer, whose transpose every producer thread
@@ -850,7 +850,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     }
   };
 
-  // K/V tiles of the ring this block's consumers have read before this unit (unsigned: % and /
+  // Key blocks of the rings this block's consumers have read before this unit (unsigned: % and /
   // by kStages cost less).
   unsigned read = 0;
   // Whether a signal from the last consumer waits on consumer 0's barrier: every consumer keeps it
@@ -897,7 +897,7 @@ __global__ void __launch_bounds__(Block<kHeadDim>::kThreads, 1)
     // A consumer whose rows all lie past the end of the queries (the last consumers of a tile at
     // the end of a sequence whose length is not a multiple of the tile's rows) sits the tile out.
     // It takes its turns, so that the ring of named barriers goes round as before, and tells the
-    // producer when it is done with each stage and with Q, as the others do; but it issues no
+    // producer when it is done with each K, each V^T and Q, as the others do; but it issues no
     // wgmma, takes no softmax and writes nothing, and leaves the tensor cores and the exponential
     // unit to the consumers that have rows. Its arrivals on k_empty[stage] and v_empty[stage] must
     // count for this fill, not the one before: its turn comes after consumer 0's (which always has
