@@ -57,8 +57,8 @@ TEST_CASE("the Hadamard rotation is orthonormal: it keeps dot products and undoe
 }
 
 TEST_CASE("an offset of Q and K (--qk-offset 1) puts every score below zero, and only it") {
-  // Rows whose largest score is negative, which a kernel's float-free shortcut for the row
-  // maximum must still get right (chapter 51): Q around +1, K around -1, V as drawn.
+  // Rows whose largest score is negative, which a row maximum taken on the scores' bits as
+  // integers must still get right (chapter 51): Q around +1, K around -1, V as drawn.
   const AttentionShape shape = make_shape(1, 4, 2, 96, 200, 128);
   InputOptions plain, offset;
   offset.qk_offset = 1.0f;
